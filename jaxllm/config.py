@@ -1,0 +1,143 @@
+"""Model configuration: one frozen, hashable dataclass, static under `jit`.
+
+Axis letters used across the package (documented once, here):
+  B slots, T tokens (flattened ragged batch), S cache positions, P pages, L layers,
+  D model width, H query heads, K kv heads, Dh head dim, F ffn width, E experts, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (the only variant these families ship with)."""
+
+    kind: Literal["llama3"] = "llama3"
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    family: Family
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    max_position: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # Mixture of experts (qwen3_moe); ffn_dim is unused there.
+    n_experts: int = 0
+    n_experts_per_token: int = 0
+    moe_ffn_dim: int = 0
+    norm_topk_prob: bool = True
+    # Compute dtype of activations and weights ("float32" keeps parity, "bfloat16" for speed).
+    dtype: str = "float32"
+    # lax.scan over layers compiles fast; unrolled layers run faster on the GPU.
+    scan_layers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.is_moe and not (0 < self.n_experts_per_token <= self.n_experts):
+            raise ValueError("a qwen3_moe config needs 0 < n_experts_per_token <= n_experts")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family == "qwen3_moe"
+
+    @property
+    def jnp_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def param_count(self) -> int:
+        attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.is_moe:
+            mlp = self.n_experts * 3 * self.d_model * self.moe_ffn_dim + self.d_model * self.n_experts
+        else:
+            mlp = 3 * self.d_model * self.ffn_dim
+        embed = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + mlp + 2 * self.d_model) + embed + self.d_model
+
+
+_HF_FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+}
+
+
+def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", scan_layers: bool = True) -> ModelConfig:
+    """Maps a Hugging Face `config.json` dictionary onto a ModelConfig."""
+    model_type = hf.get("model_type", "")
+    if model_type not in _HF_FAMILIES:
+        raise ValueError(f"unknown architecture {model_type!r} in config.json; known: {', '.join(_HF_FAMILIES)}")
+    family = _HF_FAMILIES[model_type]
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters")
+    scaling = None
+    if rope and rope.get("rope_type", rope.get("type")) == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope["original_max_position_embeddings"]),
+        )
+    theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+    return ModelConfig(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        ffn_dim=hf.get("intermediate_size", 0),
+        max_position=hf.get("max_position_embeddings", 4096),
+        rms_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        n_experts=hf.get("num_experts", 0) if family == "qwen3_moe" else 0,
+        n_experts_per_token=hf.get("num_experts_per_tok", 0) if family == "qwen3_moe" else 0,
+        moe_ffn_dim=hf.get("moe_intermediate_size", 0) if family == "qwen3_moe" else 0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        dtype=dtype,
+        scan_layers=scan_layers,
+    )
+
+
+def load_config_json(path: str | Path, **overrides: Any) -> ModelConfig:
+    """Reads a shape preset (`configs/*.json`, HF `config.json` keys) into a ModelConfig."""
+    with open(path) as f:
+        return config_from_hf(json.load(f), **overrides)

@@ -1,0 +1,321 @@
+"""The engine: params, decode state and compiled steps for one device, behind a small API.
+
+Concurrency story: an Engine is not thread-safe; exactly one thread (the server's worker, or
+a notebook) calls it. `launch` dispatches a round and returns at once (JAX runs it
+asynchronously); `collect` does the round's single `device_get`. A caller may launch round
+N+1 before collecting round N: decode tokens live in the state on the device, and slots that
+stopped on the device simply skip later rounds, so nothing waits on the host.
+
+Host bookkeeping (which slot holds which sequence, which pages it owns, how far its prompt
+has been prefilled) lives in plain Python objects here; the device state never needs to be
+read to plan a round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import steps
+from jaxllm.config import ModelConfig
+from jaxllm.params import Params
+from jaxllm.sampling import SamplingParams, sampling_row, seed_to_u32
+from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row, pages_bucket
+
+
+class EngineFull(RuntimeError):
+    """No free slot or not enough free pages right now (the caller should wait)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_slots: int = 8
+    kv_bytes: int = 256 << 20
+    max_seq_len: int = 2048
+    page_size: int = 16
+    chunk_buckets: tuple[int, ...] = (32, 128, 512)
+    min_ctx_pages: int = 8
+    decode_steps_per_call: int = 4
+
+
+@dataclasses.dataclass
+class Sequence:
+    """Host view of one sequence in a slot."""
+
+    id: int
+    slot: int
+    prompt: list[int]
+    params: SamplingParams
+    pages: list[int]
+    seed: int = 0  # the u32 the sampler's keys derive from; kept so a resumed sequence matches
+    prefilled: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= len(self.prompt) and self.finish_reason is None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """New tokens of one sequence from one collected round."""
+
+    seq_id: int
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class PausedSequence:
+    """A sequence taken out of the engine: its state slice plus host bookkeeping."""
+
+    checkpoint: SeqCheckpoint
+    sequence: Sequence
+
+
+@dataclasses.dataclass
+class _Round:
+    output: steps.StepOutput
+    seqs: dict[int, Sequence]  # slot -> sequence as of dispatch
+    multi: bool
+    prefill_tokens: int
+
+
+class Engine:
+    """Owns params + decode state + compiled steps; `add` / `launch` / `collect` / `remove`."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, *, eos_ids: Seq[int] = (), config: EngineConfig = EngineConfig()):
+        self.cfg = cfg
+        self.params = params
+        self.config = config
+        self.eos_ids = frozenset(eos_ids)
+        self.layout: StateLayout = layout_for_budget(
+            cfg,
+            kv_bytes=config.kv_bytes,
+            max_slots=config.max_slots,
+            max_seq_len=config.max_seq_len,
+            page_size=config.page_size,
+        )
+        self.state = steps.new_state(cfg, self.layout)
+        self.free_slots = list(range(config.max_slots))
+        self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
+        self.seqs: dict[int, Sequence] = {}  # slot -> sequence
+        self._ids = itertools.count()
+        self._seed_counter = itertools.count(1)
+
+    # ---- capacity ---------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return self.layout.max_seq_len
+
+    def pages_needed(self, n_positions: int) -> int:
+        return self.layout.pages_for(n_positions)
+
+    def can_admit(self, n_positions: int) -> bool:
+        return bool(self.free_slots) and self.pages_needed(n_positions) <= len(self.free_pages)
+
+    # ---- sequences in and out ---------------------------------------------------------
+    def add(self, prompt: Seq[int], params: SamplingParams, *, checkpoint: SeqCheckpoint | None = None,
+            cached_tokens: int = 0) -> Sequence:
+        """Puts a new sequence into a free slot; `checkpoint` restores its first `cached_tokens`.
+
+        Raises:
+          ValueError: empty prompt, bad sampling values, or prompt + max_tokens over the context.
+          EngineFull: no free slot or pages now.
+        """
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt has a token id outside the vocabulary (size {self.cfg.vocab_size})")
+        params.validate(self.cfg.vocab_size)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{self.max_context} tokens"
+            )
+        if not self.can_admit(total):
+            raise EngineFull(f"no room for {total} positions now")
+        slot = self.free_slots.pop(0)
+        pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
+        seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
+        row = sampling_row(params, self.cfg.vocab_size, self.eos_ids, seed)
+        self.state = steps.set_slot(self.state, jnp.int32(slot), jnp.asarray(page_row(pages, self.layout)), row)
+        seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed))
+        if checkpoint is not None:
+            if not 0 < cached_tokens < len(prompt):
+                raise ValueError("cached_tokens must be in (0, len(prompt))")
+            self.state = steps.insert(self.state, jnp.int32(slot), checkpoint)
+            seq.prefilled = cached_tokens
+        self.seqs[slot] = seq
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Frees a sequence's slot and pages (finished, cancelled or failed)."""
+        if self.seqs.get(seq.slot) is not seq:
+            return
+        del self.seqs[seq.slot]
+        self.state = steps.release_slot(self.state, jnp.int32(seq.slot))
+        self.free_pages.extend(seq.pages)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+
+    def extract(self, seq: Sequence, n_positions: int | None = None) -> SeqCheckpoint:
+        """Copies the first pages of a sequence's state (all written positions by default)."""
+        n = self.layout.pages_for(n_positions if n_positions is not None else seq.prefilled + len(seq.generated))
+        n_pages = pages_bucket(max(n, 1), self.layout.max_pages_per_seq)
+        return steps.extract(self.state, jnp.int32(seq.slot), n_pages=n_pages)
+
+    def pause(self, seq: Sequence) -> PausedSequence:
+        """Takes a decoding sequence out of its slot, keeping everything needed to resume it."""
+        ckpt = self.extract(seq, len(seq.prompt) + len(seq.generated))
+        self.remove(seq)
+        return PausedSequence(checkpoint=ckpt, sequence=dataclasses.replace(seq, pages=[], generated=list(seq.generated)))
+
+    def resume(self, paused: PausedSequence) -> Sequence:
+        """Puts a paused sequence into any free slot; it continues exactly where it stopped."""
+        old = paused.sequence
+        total = len(old.prompt) + old.params.max_tokens
+        if not self.can_admit(total):
+            raise EngineFull(f"no room for {total} positions now")
+        slot = self.free_slots.pop(0)
+        pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
+        row = sampling_row(old.params, self.cfg.vocab_size, self.eos_ids, np.uint32(old.seed))
+        state = steps.set_slot(self.state, jnp.int32(slot), jnp.asarray(page_row(pages, self.layout)), row)
+        self.state = steps.insert(state, jnp.int32(slot), paused.checkpoint)
+        seq = dataclasses.replace(old, slot=slot, pages=pages)
+        self.seqs[slot] = seq
+        return seq
+
+    # ---- rounds -----------------------------------------------------------------------
+    def launch(self, *, prefill_budget: int | None = None) -> _Round | None:
+        """Dispatches one round (or several decode steps) and returns without waiting.
+
+        Args:
+          prefill_budget: at most this many prompt tokens ride in this round (pacing); None
+            means the largest chunk bucket.
+
+        Returns:
+          A handle for `collect`, or None when no sequence has work.
+        """
+        decoding = [s for s in self.seqs.values() if s.decoding]
+        prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
+        if not decoding and not prefilling:
+            return None
+        B = self.layout.max_slots
+        mask = np.zeros((B,), bool)
+        for s in decoding:
+            mask[s.slot] = True
+        want_top = np.bool_(any(s.params.top_logprobs > 0 for s in self.seqs.values()))
+        snapshot = dict(self.seqs)
+
+        if not prefilling and self.config.decode_steps_per_call > 1:
+            n = self.config.decode_steps_per_call
+            ctx = self._ctx_pages(max(s.length for s in decoding) + n)
+            self.state, out = steps.decode_steps(
+                self.params, self.state, jnp.asarray(mask), jnp.asarray(want_top), cfg=self.cfg, n_steps=n, n_ctx_pages=ctx
+            )
+            return _Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
+
+        max_chunk = self.config.chunk_buckets[-1]
+        budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
+        chunk, ctx_needed, n_prompt = self._build_chunk(prefilling, budget)
+        ctx_needed = max([ctx_needed] + [s.length + 1 for s in decoding])
+        chunk_len = int(chunk.tokens.shape[0]) if n_prompt else 1
+        self.state, out = steps.step(
+            self.params,
+            self.state,
+            jnp.asarray(mask),
+            chunk,
+            jnp.asarray(want_top),
+            cfg=self.cfg,
+            chunk_len=chunk_len,
+            n_ctx_pages=self._ctx_pages(ctx_needed),
+        )
+        return _Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt)
+
+    def _ctx_pages(self, n_positions: int) -> int:
+        pages = max(self.layout.pages_for(n_positions), self.config.min_ctx_pages)
+        return pages_bucket(pages, self.layout.max_pages_per_seq)
+
+    def _build_chunk(self, prefilling: list[Sequence], budget: int) -> tuple[steps.ChunkBatch, int, int]:
+        """The next prompt chunk of the first prefilling sequence (admission order)."""
+        B = self.layout.max_slots
+        if not prefilling:
+            return steps.empty_chunk(B), 0, 0
+        seq = min(prefilling, key=lambda s: s.id)
+        start = seq.prefilled
+        n = min(budget, len(seq.prompt) - start)
+        bucket = next(b for b in self.config.chunk_buckets if b >= n)
+        tokens = np.zeros((bucket,), np.int32)
+        slots = np.full((bucket,), B, np.int32)
+        positions = np.zeros((bucket,), np.int32)
+        tokens[:n] = seq.prompt[start : start + n]
+        slots[:n] = seq.slot
+        positions[:n] = np.arange(start, start + n)
+        seq.prefilled = start + n
+        chunk = steps.ChunkBatch(
+            tokens=jnp.asarray(tokens),
+            slots=jnp.asarray(slots),
+            positions=jnp.asarray(positions),
+            seg_slot=jnp.asarray([seq.slot], jnp.int32),
+            seg_start=jnp.asarray([0], jnp.int32),
+            seg_len=jnp.asarray([n], jnp.int32),
+            seg_samples=jnp.asarray([seq.prefilled == len(seq.prompt)]),
+        )
+        return chunk, start + n, n
+
+    def collect(self, handle: _Round) -> list[TokenEvent]:
+        """Reads a launched round (one device_get) and appends its tokens to the sequences."""
+        out = jax.device_get(handle.output)
+        steps_out = (
+            [jax.tree.map(lambda x: x[i], out) for i in range(out.tokens.shape[0])] if handle.multi else [out]
+        )
+        events: list[TokenEvent] = []
+        for slot, seq in handle.seqs.items():
+            if seq.finish_reason is not None:
+                continue
+            new, lps, tops = [], [], []
+            for o in steps_out:
+                if not o.sampled[slot] or seq.finish_reason is not None:
+                    continue
+                token = int(o.tokens[slot])
+                new.append(token)
+                lps.append(float(o.logprob[slot]))
+                k = seq.params.top_logprobs
+                tops.append([(int(i), float(p)) for i, p in zip(o.top_ids[slot][:k], o.top_logprobs[slot][:k])])
+                seq.generated.append(token)
+                if o.done[slot]:
+                    seq.finish_reason = "stop" if self._is_stop(seq, token) else "length"
+            if new:
+                seq.logprobs.extend(lps)
+                seq.top_logprobs.extend(tops)
+                events.append(TokenEvent(seq.id, new, lps, tops, seq.finish_reason))
+        return events
+
+    def _is_stop(self, seq: Sequence, token: int) -> bool:
+        stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_ids))
+        return token in stops
+
+    def step(self, *, prefill_budget: int | None = None) -> list[TokenEvent]:
+        """Launches and collects one round (the synchronous form notebooks use)."""
+        handle = self.launch(prefill_budget=prefill_budget)
+        return [] if handle is None else self.collect(handle)
+
+    def expert_tokens(self, handle: _Round) -> np.ndarray:
+        return np.asarray(jax.device_get(handle.output.expert_tokens))

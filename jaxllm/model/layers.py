@@ -1,0 +1,89 @@
+"""The building blocks every family shares: RMSNorm, RoPE, the gated MLP and the MoE MLP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.params import DenseMlpParams, MoeParams
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF semantics: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [Dh/2], with llama3 scaling applied where configured."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / cfg.head_dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # interpolated smoothly (same formula as transformers' _compute_llama3_parameters).
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates [T, heads, Dh] by position, HF `rotate_half` layout (the two halves pair up)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def dense_mlp(x: jax.Array, p: DenseMlpParams) -> jax.Array:
+    """SwiGLU: down(silu(gate(x)) * up(x)); x [T, D]."""
+    gate = jnp.einsum("td,df->tf", x, p.w_gate)
+    up = jnp.einsum("td,df->tf", x, p.w_up)
+    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, p.w_down)
+
+
+def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-k routed experts with a grouped matmul: compute scales with tokens per expert.
+
+    Args:
+      x: [T, D] activations.
+      p: one layer's MoE params.
+      cfg: config (experts, top-k, normalisation).
+      valid: [T] bool, False for padding tokens (they are routed but not counted).
+
+    Returns:
+      ([T, D] output, [E] number of valid tokens routed to each expert).
+    """
+    T, D = x.shape
+    E, k = cfg.n_experts, cfg.n_experts_per_token
+    router_logits = jnp.einsum("td,de->te", x, p.router).astype(jnp.float32)
+    probs = jax.nn.softmax(router_logits, axis=-1)
+    top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    flat_e = top_e.reshape(-1)  # [T*k]
+    order = jnp.argsort(flat_e, stable=True)
+    token_of = order // k
+    x_sorted = x[token_of]  # [T*k, D], grouped by expert
+    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(x_sorted, p.w_gate, group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, p.w_up, group_sizes)
+    out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p.w_down, group_sizes)  # [T*k, D]
+    weights = top_w.reshape(-1)[order].astype(out_sorted.dtype)
+    out = jnp.zeros((T, D), out_sorted.dtype).at[token_of].add(out_sorted * weights[:, None])
+    counted = jnp.where(jnp.repeat(valid, k), 1, 0)
+    expert_tokens = jnp.zeros((E,), jnp.int32).at[flat_e].add(counted)
+    return out.astype(x.dtype), expert_tokens

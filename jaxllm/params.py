@@ -1,0 +1,110 @@
+"""The params pytree: registered dataclasses, layers stacked on a leading L axis.
+
+Stacking lets the same params run under `lax.scan` (fast compiles) or unrolled (fast GPU
+decode) without conversion. Optional pieces (biases, q/k norms, untied lm_head) are None
+where a family lacks them; None is an empty pytree node, so it costs nothing under jit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxllm.config import ModelConfig
+
+
+@struct.dataclass
+class AttentionParams:
+    wq: jax.Array  # [L, D, H, Dh]
+    wk: jax.Array  # [L, D, K, Dh]
+    wv: jax.Array  # [L, D, K, Dh]
+    wo: jax.Array  # [L, H, Dh, D]
+    bq: jax.Array | None = None  # [L, H, Dh]   qwen2
+    bk: jax.Array | None = None  # [L, K, Dh]
+    bv: jax.Array | None = None  # [L, K, Dh]
+    q_norm: jax.Array | None = None  # [L, Dh]  qwen3
+    k_norm: jax.Array | None = None  # [L, Dh]
+
+
+@struct.dataclass
+class DenseMlpParams:
+    w_gate: jax.Array  # [L, D, F]
+    w_up: jax.Array  # [L, D, F]
+    w_down: jax.Array  # [L, F, D]
+
+
+@struct.dataclass
+class MoeParams:
+    router: jax.Array  # [L, D, E]
+    w_gate: jax.Array  # [L, E, D, F]
+    w_up: jax.Array  # [L, E, D, F]
+    w_down: jax.Array  # [L, E, F, D]
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array  # [L, D]
+    attn: AttentionParams
+    mlp_norm: jax.Array  # [L, D]
+    mlp: DenseMlpParams | MoeParams
+
+
+@struct.dataclass
+class Params:
+    embed: jax.Array  # [V, D]
+    layers: LayerParams
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None = None  # [D, V]; None when tied to embed
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The params tree of `jax.ShapeDtypeStruct`s for a config (no allocation)."""
+    L, D, H, K, Dh, V = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
+    dt = cfg.jnp_dtype
+
+    def s(*shape: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    attn = AttentionParams(
+        wq=s(L, D, H, Dh),
+        wk=s(L, D, K, Dh),
+        wv=s(L, D, K, Dh),
+        wo=s(L, H, Dh, D),
+        bq=s(L, H, Dh) if cfg.qkv_bias else None,
+        bk=s(L, K, Dh) if cfg.qkv_bias else None,
+        bv=s(L, K, Dh) if cfg.qkv_bias else None,
+        q_norm=s(L, Dh) if cfg.qk_norm else None,
+        k_norm=s(L, Dh) if cfg.qk_norm else None,
+    )
+    if cfg.is_moe:
+        E, F = cfg.n_experts, cfg.moe_ffn_dim
+        mlp: DenseMlpParams | MoeParams = MoeParams(
+            router=s(L, D, E), w_gate=s(L, E, D, F), w_up=s(L, E, D, F), w_down=s(L, E, F, D)
+        )
+    else:
+        F = cfg.ffn_dim
+        mlp = DenseMlpParams(w_gate=s(L, D, F), w_up=s(L, D, F), w_down=s(L, F, D))
+    layers = LayerParams(attn_norm=s(L, D), attn=attn, mlp_norm=s(L, D), mlp=mlp)
+    return Params(
+        embed=s(V, D),
+        layers=layers,
+        final_norm=s(D),
+        lm_head=None if cfg.tie_embeddings else s(D, V),
+    )
+
+
+def check_params(params: Params, cfg: ModelConfig) -> None:
+    """Raises ValueError naming the first leaf whose shape differs from the config's."""
+    expected = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))[0]
+    actual = jax.tree_util.tree_flatten_with_path(params)[0]
+    if len(expected) != len(actual):
+        raise ValueError(f"params have {len(actual)} tensors, the config expects {len(expected)}")
+    for (path, want), (_, got) in zip(expected, actual):
+        if tuple(got.shape) != tuple(want.shape):
+            name = jax.tree_util.keystr(path)
+            raise ValueError(f"param {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+
+
+def cast_params(params: Params, dtype: str) -> Params:
+    return jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)

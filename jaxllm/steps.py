@@ -1,0 +1,225 @@
+"""The compiled entry points. Each takes the decode state donated and returns a new one.
+
+`step` runs one round over a flattened ragged batch: the next token of every decoding slot
+(taken from the state itself, so round N+1 can be dispatched before round N is read) plus
+prompt chunks of prefilling slots, with per-token slots and positions. `decode_steps` runs
+several decode-only rounds in one call under `lax.scan`, stopping slots on device.
+`set_slot`, `extract` and `insert` move one sequence in and out of the state.
+
+Static arguments are only shape buckets and configs; everything per request is an array.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxllm.attention.reference import Windows
+from jaxllm.config import ModelConfig
+from jaxllm.model.forward import TokenBatch, forward, lm_head
+from jaxllm.params import Params
+from jaxllm.sampling import sample
+from jaxllm.state import DecodeState, KVCache, SeqCheckpoint, SlotSampling, StateLayout, init_state
+
+
+@struct.dataclass
+class ChunkBatch:
+    """Prompt chunks of one round: Tc flat tokens grouped into Nc segments (one slot each)."""
+
+    tokens: jax.Array  # [Tc] i32
+    slots: jax.Array  # [Tc] i32, trash row for padding
+    positions: jax.Array  # [Tc] i32
+    seg_slot: jax.Array  # [Nc] i32
+    seg_start: jax.Array  # [Nc] i32 index into the chunk tokens
+    seg_len: jax.Array  # [Nc] i32 (0 = unused segment)
+    seg_samples: jax.Array  # [Nc] bool: the segment ends its prompt, so its last token samples
+
+
+@struct.dataclass
+class StepOutput:
+    tokens: jax.Array  # [B] i32 sampled this round (valid where `sampled`)
+    logprob: jax.Array  # [B] f32
+    top_ids: jax.Array  # [B, 20] i32
+    top_logprobs: jax.Array  # [B, 20] f32
+    sampled: jax.Array  # [B] bool
+    done: jax.Array  # [B] bool after this round
+    expert_tokens: jax.Array  # [L, E] tokens routed to each expert ([L, 0] for dense models)
+
+
+def empty_chunk(B: int) -> ChunkBatch:
+    z = jnp.zeros((0,), jnp.int32)
+    return ChunkBatch(
+        tokens=z, slots=z, positions=z, seg_slot=z, seg_start=z, seg_len=z, seg_samples=jnp.zeros((0,), bool)
+    )
+
+
+def _round(
+    params: Params,
+    state: DecodeState,
+    decode_mask: jax.Array,
+    chunk: ChunkBatch,
+    want_top: jax.Array,
+    *,
+    cfg: ModelConfig,
+    chunk_len: int,
+    n_ctx_pages: int,
+) -> tuple[DecodeState, StepOutput]:
+    B = state.lengths.shape[0]
+    rows = jnp.arange(B)
+    decoding = decode_mask & ~state.done
+    trash = B
+
+    batch = TokenBatch(
+        tokens=jnp.concatenate([state.last_token, chunk.tokens]),
+        slots=jnp.concatenate([jnp.where(decoding, rows, trash), chunk.slots]),
+        positions=jnp.concatenate([jnp.where(decoding, state.lengths, 0), chunk.positions]),
+        decode=Windows(slot=rows, start=rows, length=decoding.astype(jnp.int32)),
+        chunks=Windows(slot=chunk.seg_slot, start=B + chunk.seg_start, length=chunk.seg_len),
+    )
+    hidden, kv, experts = forward(
+        params, cfg, batch, state.kv, state.page_table, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages
+    )
+
+    # Which flat row gives each slot its next token: its decode token, or its last prompt token.
+    seg_last = B + chunk.seg_start + chunk.seg_len - 1
+    seg_target = jnp.where(chunk.seg_samples & (chunk.seg_len > 0), chunk.seg_slot, B)
+    sample_row = rows.at[seg_target].set(seg_last, mode="drop")
+    sampled = decoding.at[seg_target].set(True, mode="drop")
+
+    chunk_end = jnp.where(chunk.seg_len > 0, chunk.seg_slot, B)
+    lengths = jnp.where(decoding, state.lengths + 1, state.lengths)
+    if chunk.seg_slot.shape[0]:
+        last_position = chunk.positions[jnp.maximum(chunk.seg_start + chunk.seg_len - 1, 0)]
+        lengths = lengths.at[chunk_end].set(last_position + 1, mode="drop")
+    seen = state.seen.at[batch.slots, batch.tokens].set(True, mode="drop")
+
+    logits = lm_head(params, hidden[sample_row])
+    draw = sample(logits, state.sampling, seen, state.out_counts, state.n_generated, lengths, want_top)
+    tokens = jnp.where(sampled, draw.tokens, state.last_token)
+    n_generated = state.n_generated + sampled
+    out_counts = state.out_counts.at[jnp.where(sampled, rows, B), tokens].add(1, mode="drop")
+    stops = state.sampling.stop_mask[rows, tokens] | (n_generated >= state.sampling.max_tokens)
+    done = jnp.where(sampled, stops, state.done)
+
+    new_state = state.replace(
+        kv=kv,
+        lengths=lengths,
+        last_token=tokens,
+        n_generated=n_generated,
+        done=done,
+        seen=seen,
+        out_counts=out_counts,
+    )
+    out = StepOutput(
+        tokens=tokens,
+        logprob=draw.logprob,
+        top_ids=draw.top_ids,
+        top_logprobs=draw.top_logprobs,
+        sampled=sampled,
+        done=done,
+        expert_tokens=experts,
+    )
+    return new_state, out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk_len", "n_ctx_pages"), donate_argnames=("state",))
+def step(
+    params: Params,
+    state: DecodeState,
+    decode_mask: jax.Array,
+    chunk: ChunkBatch,
+    want_top: jax.Array,
+    *,
+    cfg: ModelConfig,
+    chunk_len: int,
+    n_ctx_pages: int,
+) -> tuple[DecodeState, StepOutput]:
+    """One round: decode tokens of `decode_mask` slots plus `chunk`'s prompt tokens."""
+    return _round(params, state, decode_mask, chunk, want_top, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "n_ctx_pages"), donate_argnames=("state",))
+def decode_steps(
+    params: Params,
+    state: DecodeState,
+    decode_mask: jax.Array,
+    want_top: jax.Array,
+    *,
+    cfg: ModelConfig,
+    n_steps: int,
+    n_ctx_pages: int,
+) -> tuple[DecodeState, StepOutput]:
+    """`n_steps` decode-only rounds in one call; outputs stacked on a leading [n_steps] axis."""
+    chunk = empty_chunk(state.lengths.shape[0])
+
+    def body(state, _):
+        return _round(params, state, decode_mask, chunk, want_top, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages)
+
+    return jax.lax.scan(body, state, None, length=n_steps)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_slot(state: DecodeState, slot: jax.Array, pages: jax.Array, row: SlotSampling) -> DecodeState:
+    """Gives `slot` a fresh sequence: its page row, sampling row, zeroed counters."""
+    sampling = jax.tree.map(lambda table, value: table.at[slot].set(value), state.sampling, row)
+    return state.replace(
+        page_table=state.page_table.at[slot].set(pages),
+        lengths=state.lengths.at[slot].set(0),
+        last_token=state.last_token.at[slot].set(0),
+        n_generated=state.n_generated.at[slot].set(0),
+        done=state.done.at[slot].set(False),
+        seen=state.seen.at[slot].set(False),
+        out_counts=state.out_counts.at[slot].set(0),
+        sampling=sampling,
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release_slot(state: DecodeState, slot: jax.Array) -> DecodeState:
+    """Points a finished slot at the trash page so later rounds can never touch its old pages."""
+    return state.replace(
+        page_table=state.page_table.at[slot].set(0),
+        done=state.done.at[slot].set(True),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("n_pages",))
+def extract(state: DecodeState, slot: jax.Array, *, n_pages: int) -> SeqCheckpoint:
+    """Copies a slot's first `n_pages` pages and scalars out of the state."""
+    pages = state.page_table[slot, :n_pages]
+    return SeqCheckpoint(
+        k=state.kv.k[:, pages],
+        v=state.kv.v[:, pages],
+        length=state.lengths[slot],
+        last_token=state.last_token[slot],
+        n_generated=state.n_generated[slot],
+        done=state.done[slot],
+        seen=state.seen[slot],
+        out_counts=state.out_counts[slot],
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert(state: DecodeState, slot: jax.Array, ckpt: SeqCheckpoint) -> DecodeState:
+    """Writes a checkpoint into `slot`'s pages (already assigned by `set_slot`) and scalars."""
+    n = ckpt.k.shape[1]
+    pages = state.page_table[slot, :n]
+    # Pages past the checkpoint's length may be the trash page (a shorter reservation).
+    return state.replace(
+        kv=KVCache(k=state.kv.k.at[:, pages].set(ckpt.k), v=state.kv.v.at[:, pages].set(ckpt.v)),
+        lengths=state.lengths.at[slot].set(ckpt.length),
+        last_token=state.last_token.at[slot].set(ckpt.last_token),
+        n_generated=state.n_generated.at[slot].set(ckpt.n_generated),
+        done=state.done.at[slot].set(ckpt.done),
+        seen=state.seen.at[slot].set(ckpt.seen),
+        out_counts=state.out_counts.at[slot].set(ckpt.out_counts),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layout"))
+def new_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
+    """A zeroed state built on device (no host copy of the page pool)."""
+    return init_state(cfg, layout)
