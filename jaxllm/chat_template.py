@@ -1,0 +1,253 @@
+"""Chat templates: render a conversation with Jinja2 exactly as transformers does.
+
+Templates come from model files and are untrusted, so they run in Jinja's immutable
+sandbox with the same environment options and helpers as
+`transformers.PreTrainedTokenizerBase.apply_chat_template`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any, Protocol
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+Message = Mapping[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the conversation (`raise_exception`) or failed to render."""
+
+
+class _ChatTokenizer(Protocol):
+    """What `tokenize_chat` needs from `jaxllm.tokenizer.Tokenizer`."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]: ...
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedChat:
+    """A rendered conversation.
+
+    Attributes:
+      text: the full prompt text.
+      message_ends: for each message whose truncated render is a prefix of `text`, the
+        character offset where it ends (ascending; templates that rewrite earlier turns,
+        e.g. dropping old reasoning, have fewer entries than messages).
+    """
+
+    text: str
+    message_ends: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A tokenized conversation.
+
+    Attributes:
+      ids: token ids of the whole rendered prompt (tokenized once).
+      text: the rendered prompt.
+      message_boundaries: token offsets `b` such that `ids[:b]` is exactly the render of
+        the conversation up to some message; only ends on token boundaries are kept.
+    """
+
+    ids: list[int]
+    text: str
+    message_boundaries: list[int]
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts `{% generation %}...{% endgeneration %}` (assistant-mask markers) as a no-op."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(
+            lineno
+        )
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's built-in tojson HTML-escapes; templates expect plain json.dumps.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    # Cached: a server renders the same template for every request.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"invalid chat template: {e}") from e
+
+
+def _normalize(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    # Like transformers: drop None-valued keys (OpenAI clients send content=None with
+    # tool calls), which many templates would otherwise render as the text "None".
+    out = []
+    for m in messages:
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"chat messages must be mappings, got {type(m).__name__}")
+        out.append({k: v for k, v in m.items() if v is not None})
+    return out
+
+
+def _render_text(
+    template: jinja2.Template,
+    messages: list[dict[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool,
+    special: dict[str, Any],
+) -> str:
+    try:
+        return template.render(
+            messages=messages,
+            tools=None if tools is None else list(tools),
+            add_generation_prompt=add_generation_prompt,
+            **special,
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(str(e)) from e
+    except (TypeError, KeyError, AttributeError, IndexError) as e:
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    **special: Any,
+) -> RenderedChat:
+    """Renders `messages` with the Jinja chat `template`.
+
+    Args:
+      template: the chat template source.
+      messages: the conversation, e.g. `[{"role": "user", "content": "hi"}]`.
+      tools: JSON schemas of callable tools, passed to the template as `tools`.
+      add_generation_prompt: append the header that starts the assistant's reply.
+      **special: further template variables: `bos_token`, `eos_token`, and extras such
+        as `enable_thinking`.
+
+    Returns:
+      The text and the character offset where each message ends.
+
+    Raises:
+      ChatTemplateError: the template called `raise_exception` or failed to render.
+    """
+    compiled = _compile(template)
+    msgs = _normalize(messages)
+    text = _render_text(compiled, msgs, tools, add_generation_prompt, special)
+    ends: list[int] = []
+    # Render each prefix of the conversation (no generation prompt) and keep its length
+    # when it is a string prefix of the full render: that is where the message ends.
+    for i in range(1, len(msgs) + 1):
+        try:
+            partial = _render_text(compiled, msgs[:i], tools, False, special)
+        except ChatTemplateError:
+            continue  # E.g. templates requiring a user turn after the system message.
+        end = len(partial)
+        if text.startswith(partial) and (not ends or end > ends[-1]):
+            ends.append(end)
+    return RenderedChat(text=text, message_ends=ends)
+
+
+def _char_to_token_boundary(offsets: Sequence[tuple[int, int]], char: int) -> int | None:
+    """Token index `b` with every token before `b` ending at or before `char` and every
+    token from `b` on starting at or after it; None when `char` falls inside a token."""
+    b = 0
+    while b < len(offsets) and offsets[b][1] <= char:
+        b += 1
+    if b == len(offsets) or offsets[b][0] >= char:
+        # Zero-width tokens never occur here; a token straddling `char` would make its
+        # predecessor end after `char` or itself start before it.
+        if b == 0 or offsets[b - 1][1] <= char:
+            return b
+    return None
+
+
+def tokenize_chat(
+    tokenizer: _ChatTokenizer,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    **special: Any,
+) -> ChatPrompt:
+    """Renders and tokenizes a conversation, recording where each message ends.
+
+    The whole prompt is tokenized at once: tokenizing messages separately can change
+    the ids at their seams.
+
+    Args:
+      tokenizer: supplies the chat template, bos/eos strings and the tokenization.
+      messages: the conversation.
+      tools: JSON schemas of callable tools.
+      add_generation_prompt: append the assistant header.
+      chat_template: overrides the tokenizer's template.
+      **special: extra template variables; they override the tokenizer's bos/eos tokens.
+
+    Raises:
+      ChatTemplateError: no chat template, or the template rejected the conversation.
+    """
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if template is None:
+        raise ChatTemplateError("the tokenizer has no chat template and none was given")
+    rendered = render_chat(
+        template,
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        **{**tokenizer.special_tokens_map, **special},
+    )
+    ids, offsets = tokenizer.encode_with_offsets(rendered.text)
+    boundaries: list[int] = []
+    for end in rendered.message_ends:
+        b = _char_to_token_boundary(offsets, end)
+        if b is not None and b > 0 and (not boundaries or b > boundaries[-1]):
+            boundaries.append(b)
+    return ChatPrompt(ids=list(ids), text=rendered.text, message_boundaries=boundaries)
