@@ -1,0 +1,81 @@
+"""`jaxllm generate` (and the runtime's other subcommands); the `serving` package adds `serve`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file, an HF or orbax directory, or a configs/*.json preset with --load-format dummy")
+    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "orbax", "dummy"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--unroll-layers", action="store_true", help="unrolled layers (faster on GPU, slower compile)")
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="render the prompt as one user message with the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from jaxllm.api import load
+    from jaxllm.sampling import SamplingParams
+
+    model = load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers)
+    if args.chat:
+        ids = model.chat_ids([{"role": "user", "content": args.prompt}])
+    else:
+        ids = model.tokenizer.encode(args.prompt)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
+    started = time.perf_counter()
+    (out,) = model.generate([ids], params)
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({
+            "prompt_token_ids": out.prompt_token_ids,
+            "token_ids": out.token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+        }))
+    else:
+        print(out.text)
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, {elapsed:.2f}s incl. compile]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxllm", description="JAX LLM runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    from jaxllm.bench import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"jaxllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
