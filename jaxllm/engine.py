@@ -176,10 +176,32 @@ class Engine:
         self.free_slots.sort()
 
     def extract(self, seq: Sequence, n_positions: int | None = None) -> SeqCheckpoint:
-        """Copies the first pages of a sequence's state (all written positions by default)."""
-        n = self.layout.pages_for(n_positions if n_positions is not None else seq.prefilled + len(seq.generated))
-        n_pages = pages_bucket(max(n, 1), self.layout.max_pages_per_seq)
-        return steps.extract(self.state, jnp.int32(seq.slot), n_pages=n_pages)
+        """Copies a sequence's state out of its slot.
+
+        Args:
+          seq: a sequence in this engine.
+          n_positions: None for the whole sequence (to pause and resume it); otherwise a
+            prompt prefix length (a prefix-cache entry): the checkpoint then holds exactly
+            `prompt[:n_positions]`, whatever the slot has prefilled since.
+        """
+        written = min(seq.prefilled, len(seq.prompt)) + len(seq.generated)
+        n = written if n_positions is None else n_positions
+        n_pages = pages_bucket(max(self.layout.pages_for(n), 1), self.layout.max_pages_per_seq)
+        ckpt = steps.extract(self.state, jnp.int32(seq.slot), n_pages=n_pages)
+        if n_positions is None:
+            return ckpt
+        if not 0 < n_positions <= min(seq.prefilled, len(seq.prompt)):
+            raise ValueError(f"prefix of {n_positions} positions is not prefilled yet")
+        seen = np.zeros((self.cfg.vocab_size,), bool)
+        seen[seq.prompt[:n_positions]] = True
+        return ckpt.replace(
+            length=np.int32(n_positions),
+            last_token=np.int32(0),
+            n_generated=np.int32(0),
+            done=np.bool_(False),
+            seen=seen,
+            out_counts=np.zeros((self.cfg.vocab_size,), np.int32),
+        )
 
     def pause(self, seq: Sequence) -> PausedSequence:
         """Takes a decoding sequence out of its slot, keeping everything needed to resume it."""
@@ -201,6 +223,64 @@ class Engine:
         seq = dataclasses.replace(old, slot=slot, pages=pages)
         self.seqs[slot] = seq
         return seq
+
+    def ctx_buckets(self) -> list[int]:
+        """Every context bucket (pages read per slot) a round can use."""
+        out, pages = [], self._ctx_pages(1)
+        while True:
+            out.append(pages)
+            if pages >= self.layout.max_pages_per_seq:
+                return out
+            pages = pages_bucket(pages + 1, self.layout.max_pages_per_seq)
+
+    def warmup(self) -> int:
+        """Compiles every shape bucket by running it on idle slots; returns the variants run.
+
+        Idle rounds write only to the trash page, so the state is unchanged for live use.
+        Must be called before any sequence is added.
+        """
+        if self.seqs:
+            raise RuntimeError("warmup must run on an empty engine")
+        B = self.layout.max_slots
+        no_decode = np.zeros((B,), bool)
+        no_top = np.bool_(False)
+        count = 0
+        chunk_sizes = [0] + list(self.config.chunk_buckets)
+        for ctx in self.ctx_buckets():
+            for size in chunk_sizes:
+                chunk = self._idle_chunk(size)
+                self.state, _ = steps.step(
+                    self.params, self.state, no_decode, chunk, no_top, cfg=self.cfg, chunk_len=max(size, 1), n_ctx_pages=ctx
+                )
+                count += 1
+            if self.config.decode_steps_per_call > 1:
+                self.state, _ = steps.decode_steps(
+                    self.params, self.state, no_decode, no_top, cfg=self.cfg, n_steps=self.config.decode_steps_per_call, n_ctx_pages=ctx
+                )
+                count += 1
+        for n_pages in [1, 2, 4] + self.ctx_buckets():
+            if n_pages <= self.layout.max_pages_per_seq:
+                ckpt = steps.extract(self.state, jnp.int32(0), n_pages=n_pages)
+                self.state = steps.insert(self.state, jnp.int32(0), ckpt)
+                count += 1
+        from jaxllm.sampling import sampling_row
+
+        row = sampling_row(SamplingParams(), self.cfg.vocab_size, self.eos_ids, np.uint32(0))
+        self.state = steps.set_slot(self.state, jnp.int32(0), jnp.asarray(page_row([], self.layout)), row)
+        self.state = steps.release_slot(self.state, jnp.int32(0))
+        jax.block_until_ready(self.state)
+        return count
+
+    def _idle_chunk(self, size: int) -> steps.ChunkBatch:
+        B = self.layout.max_slots
+        if size == 0:
+            return steps.empty_chunk(B)
+        z = np.zeros((size,), np.int32)
+        empty_segment = np.zeros((1,), np.int32)
+        return steps.ChunkBatch(
+            tokens=z, slots=np.full((size,), B, np.int32), positions=z,
+            seg_slot=empty_segment, seg_start=empty_segment, seg_len=empty_segment, seg_samples=np.zeros((1,), bool),
+        )
 
     # ---- rounds -----------------------------------------------------------------------
     def launch(self, *, prefill_budget: int | None = None) -> _Round | None:

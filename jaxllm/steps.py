@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxllm.attention.reference import Windows
@@ -50,9 +51,9 @@ class StepOutput:
 
 
 def empty_chunk(B: int) -> ChunkBatch:
-    z = jnp.zeros((0,), jnp.int32)
+    z = np.zeros((0,), np.int32)
     return ChunkBatch(
-        tokens=z, slots=z, positions=z, seg_slot=z, seg_start=z, seg_len=z, seg_samples=jnp.zeros((0,), bool)
+        tokens=z, slots=z, positions=z, seg_slot=z, seg_start=z, seg_len=z, seg_samples=np.zeros((0,), bool)
     )
 
 

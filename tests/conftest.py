@@ -14,10 +14,3 @@ def smollm2_gguf_path() -> Path:
 
     return default_model_path()
 
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_gguf_path: Path):  # noqa: ANN201 - keeps imports lazy.
-    """`jaxllm.tokenizer.Tokenizer` of SmolLM2 (reading the GGUF takes seconds: share it)."""
-    from jaxllm.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(smollm2_gguf_path)
