@@ -7,6 +7,7 @@ sandbox with the same environment options and helpers as
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import json
@@ -196,17 +197,15 @@ def render_chat(
 
 
 def _char_to_token_boundary(offsets: Sequence[tuple[int, int]], char: int) -> int | None:
-    """Token index `b` with every token before `b` ending at or before `char` and every
-    token from `b` on starting at or after it; None when `char` falls inside a token."""
-    b = 0
-    while b < len(offsets) and offsets[b][1] <= char:
-        b += 1
-    if b == len(offsets) or offsets[b][0] >= char:
-        # Zero-width tokens never occur here; a token straddling `char` would make its
-        # predecessor end after `char` or itself start before it.
-        if b == 0 or offsets[b - 1][1] <= char:
-            return b
-    return None
+    """Token index `b` such that tokens before `b` end at or before `char` and tokens from
+    `b` on start at or after it; None when `char` falls inside a token.
+
+    Offsets are non-decreasing (several byte-level tokens of one character share a span).
+    """
+    b = bisect.bisect_right([end for _, end in offsets], char)
+    if b < len(offsets) and offsets[b][0] < char:
+        return None
+    return b
 
 
 def tokenize_chat(

@@ -48,8 +48,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a < b 
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
-    return smollm2_tokenizer
+def tok(smollm2_gguf_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm2_gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +105,12 @@ def test_message_boundaries(tok: Tokenizer, hf_tok: Any, conv: int) -> None:
 
 def test_boundary_inside_a_token_is_dropped(tok: Tokenizer) -> None:
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    messages = [{"role": "user", "content": "Hel"}, {"role": "user", "content": "lo"}]
+    messages = [{"role": "user", "content": "Hi Hel"}, {"role": "user", "content": "lo"}]
     prompt = tokenize_chat(tok, messages, chat_template=template)
-    assert prompt.text == "Hello" and len(prompt.ids) == 1
-    assert prompt.message_boundaries == [1]  # "Hel" ends mid-token: no boundary there.
-    assert render_chat(template, messages).message_ends == [3, 5]
+    assert prompt.text == "Hi Hello" and prompt.ids == tok.encode("Hi") + tok.encode(" Hello")
+    assert len(prompt.ids) == 2
+    assert prompt.message_boundaries == [2]  # "Hi Hel" ends inside " Hello": dropped.
+    assert render_chat(template, messages).message_ends == [6, 8]
 
 
 def test_rewritten_history_has_no_boundary() -> None:
@@ -147,6 +148,11 @@ def test_whitespace_control_and_helpers() -> None:
     template = "{% for m in messages %}\n  {% if true %}\n{{ m.content }}|\n  {% endif %}\n{% endfor %}{{ strftime_now('%Y') | length }}"
     # trim_blocks drops the newline after a block tag; lstrip_blocks its indentation.
     assert render_chat(template, [{"role": "user", "content": "a"}]).text == "a|\n4"
+
+
+def test_generation_tag_is_accepted() -> None:
+    template = "{% for m in messages %}{% generation %}<{{ m.content }}>{% endgeneration %}{% endfor %}"
+    assert render_chat(template, [{"role": "assistant", "content": "a"}]).text == "<a>"
 
 
 def test_no_template_is_an_error() -> None:

@@ -18,8 +18,8 @@ CASES: list[dict[str, Any]] = json.loads(FIXTURE.read_text(encoding="utf-8"))["c
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
-    return smollm2_tokenizer
+def tok(smollm2_gguf_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm2_gguf_path)
 
 
 def _stream(tokenizer: Tokenizer, ids: list[int], skip: bool) -> list[str]:
