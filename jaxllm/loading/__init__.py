@@ -1,0 +1,94 @@
+"""Model loading: one entry point dispatching on the checkpoint format.
+
+Formats: "gguf" (llama.cpp file), "safetensors" (Hugging Face directory), "orbax" (a
+`save_model` directory), "dummy" (random weights at the shapes of a configs/*.json preset).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxllm.config import ModelConfig, load_config_json
+from jaxllm.params import Params
+
+FORMATS = ("auto", "gguf", "safetensors", "orbax", "dummy")
+
+# Format modules are imported inside the functions below: orbax, gguf and safetensors are
+# slow to import and a process only ever needs the one it loads from.
+
+
+def detect_format(path: Path) -> str:
+    """Guesses the checkpoint format of an existing path.
+
+    Raises:
+      FileNotFoundError: nothing at `path`.
+      ValueError: a path that matches no known format.
+    """
+    from jaxllm.loading.orbax_io import is_orbax_model
+
+    if not path.exists():
+        raise FileNotFoundError(f"model path not found: {path}")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "safetensors"
+    if path.is_dir() and is_orbax_model(path):
+        return "orbax"
+    raise ValueError(
+        f"cannot tell the model format of {path}: expected a .gguf file, a directory with "
+        "config.json (safetensors) or a jaxllm orbax directory; for random weights pass "
+        "fmt='dummy' with a configs/*.json path"
+    )
+
+
+def load_model(
+    source: str | Path,
+    *,
+    fmt: str = "auto",
+    dtype: str = "float32",
+    scan_layers: bool = True,
+    config_path: str | Path | None = None,
+    progress: bool = True,
+) -> tuple[ModelConfig, Params]:
+    """Loads (config, params) from a checkpoint path, the default model name, or a preset.
+
+    Args:
+      source: a .gguf file, a Hugging Face directory, an orbax model directory, the
+        default model's name ("smollm2"), or for fmt="dummy" a configs/*.json preset.
+      fmt: one of FORMATS; "auto" detects from the path.
+      dtype: params / compute dtype ("float32", "bfloat16", ...).
+      scan_layers: stored on the returned config.
+      config_path: for fmt="dummy", the preset JSON when `source` is not itself one.
+      progress: show tqdm bars while reading files.
+
+    Returns:
+      The ModelConfig and Params.
+
+    Raises:
+      FileNotFoundError: the source does not exist.
+      ValueError: unknown format or a file that does not parse as its format.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown model format {fmt!r}; known: {', '.join(FORMATS)}")
+    if fmt == "dummy":
+        from jaxllm.loading.dummy import dummy_params
+
+        cfg = load_config_json(config_path or source, dtype=dtype, scan_layers=scan_layers)
+        return cfg, dummy_params(cfg)
+
+    from jaxllm.loading.default_model import resolve_model
+
+    path = resolve_model(str(source))  # maps the default name to its cached GGUF
+    if fmt == "auto":
+        fmt = detect_format(path)
+    if fmt == "gguf":
+        from jaxllm.loading.gguf import load_gguf_model
+
+        return load_gguf_model(path, dtype=dtype, scan_layers=scan_layers, progress=progress)
+    if fmt == "safetensors":
+        from jaxllm.loading.safetensors import load_safetensors_model
+
+        return load_safetensors_model(path, dtype=dtype, scan_layers=scan_layers, progress=progress)
+    from jaxllm.loading.orbax_io import load_orbax_model
+
+    return load_orbax_model(path, dtype=dtype, scan_layers=scan_layers)

@@ -1,0 +1,55 @@
+"""Random params at a config's real shapes, generated on device (benchmarks, shape tests).
+
+Everything happens inside one jitted function so an 8B model never passes through host
+memory, and `out_shardings` can place (or shard) every leaf as it is created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.params import Params, param_shapes
+
+# RMSNorm scales: ones keep activations at unit scale like a freshly initialised model.
+_NORM_LEAVES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
+_STD = 0.02  # small enough that 100+ layers of residual adds stay finite in bfloat16
+
+
+def _random_tree(key: jax.Array, cfg: ModelConfig) -> Params:
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, (path, sds) in zip(keys, leaves):
+        if path[-1].name in _NORM_LEAVES:
+            out.append(jnp.ones(sds.shape, sds.dtype))
+        else:
+            out.append((_STD * jax.random.normal(k, sds.shape, jnp.float32)).astype(sds.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def dummy_params(cfg: ModelConfig, seed: int = 0, *, out_shardings: Any = None) -> Params:
+    """Random weights with the shapes and dtype of `cfg`, created on device.
+
+    Weights are normal * 0.02, norm scales are 1, so a forward pass stays finite.
+
+    Args:
+      cfg: the model config (static: shapes come from it).
+      seed: PRNG seed.
+      out_shardings: optional sharding (one for all leaves, or a Params-shaped tree);
+        None lets jit place everything on the default device.
+
+    Returns:
+      The Params tree.
+    """
+    # Normals are drawn in float32 then cast (XLA fuses the cast into the RNG loop), so the
+    # values agree across target dtypes up to rounding.
+    fn = jax.jit(_random_tree, static_argnums=1, out_shardings=out_shardings)
+    # "rbg" (XLA's RngBitGenerator) compiles in about a second where threefry's unrolled
+    # hash takes ~10 s even for tiny models on CPU; dummy weights need no bit-exactness
+    # across shardings, which is threefry's advantage.
+    return fn(jax.random.key(seed, impl="rbg"), cfg)

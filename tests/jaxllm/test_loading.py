@@ -1,0 +1,307 @@
+"""Loaders: safetensors / GGUF / orbax / dummy params against tiny transformers models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import chex
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import ModelConfig, load_config_json
+from jaxllm.loading import detect_format, load_model
+from jaxllm.loading.dummy import dummy_params
+from jaxllm.loading.gguf import load_gguf_model
+from jaxllm.loading.orbax_io import load_orbax_model, restore_pytree, save_model, save_pytree
+from jaxllm.loading.safetensors import load_safetensors_model
+from jaxllm.params import Params, param_shapes
+
+from hf_tiny import LLAMA3_ROPE, hf_to_gguf, make_tiny_hf_model, read_hf_state  # tests/ is on sys.path (conftest)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny saved model per (family, tying) variant, built once for the module."""
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        "llama": make_tiny_hf_model("llama", root),
+        "llama-tied": make_tiny_hf_model("llama", root, tie_word_embeddings=True),
+        "llama3-rope-scaled": make_tiny_hf_model("llama3-rope-scaled", root),
+        "qwen2": make_tiny_hf_model("qwen2", root, tie_word_embeddings=True),
+        "qwen3": make_tiny_hf_model("qwen3", root),
+        "qwen3_moe": make_tiny_hf_model("qwen3_moe", root),
+    }
+
+
+def assert_matches_hf(cfg: ModelConfig, params: Params, state: dict[str, np.ndarray], atol: float = 0.0) -> None:
+    """Checks every param against the HF state dict through the einsum conventions."""
+    H, K, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    close = lambda got, want, what: np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=atol, rtol=0, err_msg=what)
+    x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
+    a = np.random.default_rng(1).standard_normal((3, H, Dh)).astype(np.float32)
+    p = params.layers
+    f32 = lambda t: np.asarray(t, np.float32)
+    close(params.embed, state["model.embed_tokens.weight"], "embed")
+    close(params.final_norm, state["model.norm.weight"], "final_norm")
+    if cfg.tie_embeddings:
+        assert params.lm_head is None
+    else:
+        close(params.lm_head, state["lm_head.weight"].T, "lm_head")
+    for i in range(cfg.n_layers):
+        s = lambda n: state[f"model.layers.{i}.{n}"]
+        close(p.attn_norm[i], s("input_layernorm.weight"), "attn_norm")
+        close(p.mlp_norm[i], s("post_attention_layernorm.weight"), "mlp_norm")
+        # Expected layouts, themselves checked against HF semantics: einsum('td,dhk->thk',
+        # x, wq) must equal x @ q_proj.T split into heads, and likewise for wo.
+        for ours, hf, n in ((p.attn.wq, "q", H), (p.attn.wk, "k", K), (p.attn.wv, "v", K)):
+            w = s(f"self_attn.{hf}_proj.weight")
+            want = w.T.reshape(D, n, Dh)
+            semantic = np.einsum("td,dhk->thk", x, want).reshape(3, n * Dh)
+            np.testing.assert_allclose(semantic, x @ w.T, rtol=1e-5, atol=1e-5)
+            close(ours[i], want, f"w{hf}")
+        w = s("self_attn.o_proj.weight")
+        want = w.T.reshape(H, Dh, D)
+        np.testing.assert_allclose(np.einsum("thk,hkd->td", a, want), a.reshape(3, H * Dh) @ w.T, rtol=1e-5, atol=1e-5)
+        close(p.attn.wo[i], want, "wo")
+        if cfg.qkv_bias:
+            for ours, hf in ((p.attn.bq, "q"), (p.attn.bk, "k"), (p.attn.bv, "v")):
+                close(f32(ours[i]).reshape(-1), s(f"self_attn.{hf}_proj.bias"), f"b{hf}")
+        if cfg.qk_norm:
+            close(p.attn.q_norm[i], s("self_attn.q_norm.weight"), "q_norm")
+            close(p.attn.k_norm[i], s("self_attn.k_norm.weight"), "k_norm")
+        if cfg.is_moe:
+            close(p.mlp.router[i], s("mlp.gate.weight").T, "router")
+            for e in range(cfg.n_experts):
+                close(p.mlp.w_gate[i, e], s(f"mlp.experts.{e}.gate_proj.weight").T, "w_gate")
+                close(p.mlp.w_up[i, e], s(f"mlp.experts.{e}.up_proj.weight").T, "w_up")
+                close(p.mlp.w_down[i, e], s(f"mlp.experts.{e}.down_proj.weight").T, "w_down")
+        else:
+            close(p.mlp.w_gate[i], s("mlp.gate_proj.weight").T, "w_gate")
+            close(p.mlp.w_up[i], s("mlp.up_proj.weight").T, "w_up")
+            close(p.mlp.w_down[i], s("mlp.down_proj.weight").T, "w_down")
+
+
+# ---------------------------------------------------------------- safetensors
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "llama3-rope-scaled", "qwen2", "qwen3", "qwen3_moe"])
+def test_safetensors_matches_hf(hf_dirs: dict[str, Path], variant: str) -> None:
+    cfg, params = load_safetensors_model(hf_dirs[variant], progress=False)
+    assert cfg.family == variant.split("-")[0].replace("llama3", "llama")
+    assert cfg.tie_embeddings == (variant in ("llama-tied", "qwen2"))
+    assert cfg.qkv_bias == (variant == "qwen2")
+    assert cfg.qk_norm == variant.startswith("qwen3")
+    if variant == "qwen3_moe":
+        assert (cfg.n_experts, cfg.n_experts_per_token, cfg.moe_ffn_dim) == (4, 2, 32)
+    if variant == "llama3-rope-scaled":
+        assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0
+        assert cfg.rope_scaling.original_max_position == 64
+    assert_matches_hf(cfg, params, read_hf_state(hf_dirs[variant]))
+
+
+def test_safetensors_sharded_and_bfloat16(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Shards listed in model.safetensors.index.json load like one file."""
+    from safetensors.numpy import save_file
+
+    src = hf_dirs["qwen3"]
+    state = read_hf_state(src)
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, keys in halves.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / fname))
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    cfg, params = load_model(str(tmp_path), dtype="bfloat16")
+    assert cfg.dtype == "bfloat16"
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    assert_matches_hf(cfg, params, state, atol=2e-2)
+
+
+def test_fused_expert_tensors(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """transformers 5's in-memory MoE layout (experts.gate_up_proj / experts.down_proj) loads too."""
+    from safetensors.numpy import save_file
+
+    src = hf_dirs["qwen3_moe"]
+    state = read_hf_state(src)
+    fused = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for i in range(2):
+        e = lambda n: np.stack([state[f"model.layers.{i}.mlp.experts.{j}.{n}.weight"] for j in range(4)])
+        fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.concatenate([e("gate_proj"), e("up_proj")], axis=1)
+        fused[f"model.layers.{i}.mlp.experts.down_proj"] = e("down_proj")
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    cfg, params = load_safetensors_model(tmp_path, progress=False)
+    assert_matches_hf(cfg, params, state)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+@pytest.mark.parametrize(
+    "variant,qtype,atol",
+    [
+        ("llama", "F32", 0.0),
+        ("llama", "Q8_0", 2e-3),
+        ("llama-tied", "F16", 1e-3),
+        ("llama", "BF16", 2e-2),
+        ("llama", "Q4_0", 5e-2),
+        ("qwen2", "F32", 0.0),
+        ("qwen3", "Q8_0", 2e-3),
+        ("qwen3_moe", "F32", 0.0),
+    ],
+)
+def test_gguf_matches_hf(hf_dirs: dict[str, Path], tmp_path: Path, variant: str, qtype: str, atol: float) -> None:
+    path = hf_to_gguf(hf_dirs[variant], tmp_path / "m.gguf", qtype=qtype)
+    cfg, params = load_model(str(path), dtype="float32", progress=False)
+    hf_cfg, _ = load_safetensors_model(hf_dirs[variant], progress=False)
+    assert cfg == hf_cfg.replace(max_position=cfg.max_position)
+    assert_matches_hf(cfg, params, read_hf_state(hf_dirs[variant]), atol=atol)
+
+
+def test_gguf_llama3_rope_freqs_recovered(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The converter stores Llama-3 scaling only as a rope_freqs tensor; it must round-trip."""
+    path = hf_to_gguf(hf_dirs["llama3-rope-scaled"], tmp_path / "m.gguf")
+    cfg, _ = load_gguf_model(path, progress=False)
+    s = cfg.rope_scaling
+    assert s is not None and s.original_max_position == 8192  # not in the file: Llama-3 default
+    # Equivalent parameters: factor exact, the smoothing band rescaled by 8192 / 64.
+    assert s.factor == pytest.approx(LLAMA3_ROPE["factor"])
+    assert s.low_freq_factor == pytest.approx(LLAMA3_ROPE["low_freq_factor"] * 8192 / 64, rel=1e-4)
+    assert s.high_freq_factor == pytest.approx(LLAMA3_ROPE["high_freq_factor"] * 8192 / 64, rel=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_gguf_k_quants_dequantized(hf_dirs: dict[str, Path], tmp_path: Path, qtype: str) -> None:
+    """gguf-py cannot quantize K-quants; write random valid blocks and compare to its dequantize."""
+    t = gguf.GGMLQuantizationType[qtype]
+    block, nbytes = gguf.GGML_QUANT_SIZES[t]
+    src = make_tiny_hf_model("llama", tmp_path, hidden_size=256, head_dim=64, intermediate_size=96, num_hidden_layers=1)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(128, 256 // block, nbytes), dtype=np.uint8)
+    # Make the float16 super-block scales finite and small (random bytes could be inf/nan).
+    nb = 256 // block
+    scales = rng.uniform(1e-4, 1e-3, size=(128, nb, 2)).astype(np.float16).view(np.uint8)  # [128, nb, 4]
+    if qtype == "Q4_K":  # d, dmin (float16) lead the block
+        raw[..., 0:4] = scales
+    else:  # Q6_K: d (float16) trails the block
+        raw[..., -2:] = scales[..., :2]
+    raw = raw.reshape(128, -1)
+    path = hf_to_gguf(src, tmp_path / "k.gguf", raw_overrides={"token_embd.weight": (raw, t)})
+    _, params = load_gguf_model(path, progress=False)
+    want = gguf.quants.dequantize(raw, t)
+    assert want.shape == (128, 256) and np.isfinite(want).all()
+    np.testing.assert_array_equal(np.asarray(params.embed), want)
+
+
+def test_gguf_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_gguf_model(tmp_path / "nope.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(str(bad))
+    truncated = tmp_path / "trunc.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00\x05")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf_model(truncated)
+    other = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(other), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="gpt2"):
+        load_gguf_model(other)
+
+
+def test_unknown_hf_architecture_and_format(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    with pytest.raises(ValueError, match="gpt_neox"):
+        load_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot tell"):
+        detect_format(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="unknown model format"):
+        load_model(str(tmp_path), fmt="onnx")
+
+
+def test_real_default_gguf(request: pytest.FixtureRequest) -> None:
+    """SmolLM2-135M-Instruct (the default model) loads with the preset's shapes."""
+    try:
+        path = request.getfixturevalue("smollm2_gguf_path")
+    except pytest.FixtureLookupError:
+        pytest.skip("no smollm2_gguf_path fixture in tests/conftest.py")
+    cfg, params = load_gguf_model(path, progress=False)
+    preset = load_config_json(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m.json")
+    assert cfg.replace(max_position=preset.max_position) == preset.replace(rms_eps=cfg.rms_eps)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+# ---------------------------------------------------------------- orbax
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_orbax_model_round_trip(hf_dirs: dict[str, Path], tmp_path: Path, dtype: str) -> None:
+    cfg, params = load_safetensors_model(hf_dirs["qwen2"], dtype=dtype, progress=False)
+    save_model(tmp_path / "ckpt", cfg, params)
+    assert detect_format(tmp_path / "ckpt") == "orbax"
+    cfg2, params2 = load_model(str(tmp_path / "ckpt"), dtype=dtype)
+    assert cfg2 == cfg
+    chex.assert_trees_all_equal(params2, params)
+    chex.assert_trees_all_equal_dtypes(params2, params)
+
+
+def test_orbax_pytree_round_trip(tmp_path: Path) -> None:
+    tree = {"a": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3), "b": [jnp.ones(4, jnp.int32), None]}
+    save_pytree(tmp_path / "t", tree)
+    chex.assert_trees_all_equal(restore_pytree(tmp_path / "t"), tree)
+    chex.assert_trees_all_equal(restore_pytree(tmp_path / "t", like=tree), tree)
+    with pytest.raises(FileNotFoundError):
+        restore_pytree(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------- dummy
+
+
+@pytest.mark.parametrize("preset", CONFIGS, ids=lambda p: p.stem)
+def test_dummy_shapes_for_presets(preset: Path) -> None:
+    cfg = load_config_json(preset, dtype="bfloat16")
+    abstract = jax.eval_shape(lambda: dummy_params(cfg))  # no allocation of 8B+ params
+    chex.assert_trees_all_equal_shapes_and_dtypes(abstract, param_shapes(cfg))
+
+
+def test_preset_values() -> None:
+    by_name = {p.stem: load_config_json(p) for p in CONFIGS}
+    assert set(by_name) >= {"llama3-8b", "qwen3-8b", "qwen3-30b-a3b", "smollm2-135m"}
+    assert by_name["llama3-8b"].rope_scaling is not None
+    assert round(by_name["llama3-8b"].param_count() / 1e9, 2) == 8.03
+    assert round(by_name["qwen3-8b"].param_count() / 1e9, 1) == 8.2
+    assert round(by_name["qwen3-30b-a3b"].param_count() / 1e9, 1) == 30.5
+    assert round(by_name["smollm2-135m"].param_count() / 1e6) == 135
+    for p in CONFIGS:
+        assert json.loads(p.read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_dummy_allocates_tiny(tmp_path: Path) -> None:
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=8, ffn_dim=0, max_position=64, qk_norm=True, n_experts=4,
+                      n_experts_per_token=2, moe_ffn_dim=16)
+    params = dummy_params(cfg, seed=1)
+    chex.assert_trees_all_equal_shapes_and_dtypes(params, param_shapes(cfg))
+    assert float(jnp.std(params.layers.attn.wq)) == pytest.approx(0.02, rel=0.2)
+    assert bool(jnp.all(params.layers.attn_norm == 1)) and bool(jnp.all(params.final_norm == 1))
+    chex.assert_trees_all_equal(dummy_params(cfg, seed=1), params)  # deterministic per seed
+    preset = tmp_path / "tiny.json"
+    preset.write_text(json.dumps({"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
+                                  "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24}))
+    cfg2, p2 = load_model(str(preset), fmt="dummy", dtype="bfloat16")
+    assert cfg2.dtype == "bfloat16" and p2.embed.dtype == jnp.bfloat16
