@@ -22,7 +22,9 @@ of the same output into deltas publishes the same content and the same calls):
 * Content is published at once, except for a trailing run that could still be
   the start of a call marker, together with the whitespace right before it:
   whitespace that separates content from a call is a separator, not content.
-  Whitespace after an accepted call is dropped for the same reason.
+  Whitespace after an accepted call is held too: dropped if the output ends or
+  another call follows, published if more content follows. Without accepted
+  calls, the published content is exactly the generated text.
 * A call is emitted when it is complete, as two deltas: a header (``id``,
   ``type``, ``function.name``, empty arguments) and one ``function.arguments``
   piece holding the whole arguments JSON. Emitting arguments only once the call
@@ -304,7 +306,19 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 class ToolCallDecoder:
-    """Turns generated text deltas into visible content and tool calls."""
+    """Turns generated text deltas into visible content and tool calls.
+
+    A state machine over `_buf`, the text not yet decided: each step either
+    decides a prefix of it (publish as content, accept a call, return a broken
+    call as content) or waits for more text. Steps only decide what no
+    continuation could change, which is why splits do not matter.
+
+    Example:
+        decoder = ToolCallDecoder(contract)
+        for delta in deltas:
+            events = decoder.feed(delta)   # publish events.content / .tool_calls
+        terminal = decoder.finish()        # publish content_tail, tool_call_deltas
+    """
 
     def __init__(
         self, contract: ToolContract, *, new_id: Callable[[], str] = tool_call_id
@@ -321,9 +335,9 @@ class ToolCallDecoder:
         self._validators = {n: _validator(s) for n, s in contract.tools.items()}
         self._buf = ""  # text received but not yet decided
         self._pending = ""  # raw text of the open call before `_buf`, for fallback
-        self._after_call = False
-        self._tagged = False
-        self._confirmed = False
+        self._after_call = False  # whitespace now may only trail a call
+        self._tagged = False  # llama3 call announced by <|python_tag|>
+        self._confirmed = False  # the open call's head proved it is a call
         self._scanner = _BracketScanner(python=False)
         self._skip_from = 0
         self._content: list[str] = []
