@@ -213,7 +213,9 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
 
         special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
-        ids_of = lambda key: hf.token_to_id(_token_content(config.get(key)) or "")  # noqa: E731
+        def ids_of(key: str) -> int | None:
+            return hf.token_to_id(_token_content(config.get(key)) or "")
+
         bos_id = ids_of("bos_token")
         if bos_id is None:
             bos_id = next(iter(_as_id_list(gen.get("bos_token_id"))), None)

@@ -150,7 +150,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def _fake_reader(pre: str, tokens: list[str], types: list[int] | None = None) -> Any:
+def _fake_reader(
+    pre: str, tokens: list[str], types: list[int] | None = None, **extra: Any
+) -> Any:
     meta = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": pre,
@@ -158,6 +160,7 @@ def _fake_reader(pre: str, tokens: list[str], types: list[int] | None = None) ->
         "tokenizer.ggml.token_type": types or [1] * len(tokens),
         "tokenizer.ggml.merges": [],
         "tokenizer.ggml.eos_token_id": 0,
+        **{f"tokenizer.ggml.{k}": v for k, v in extra.items()},
     }
     return SimpleNamespace(
         fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in meta.items()}
@@ -173,6 +176,21 @@ def test_pretokenizer_matches_hf_regex(pre: str, pattern: str) -> None:
         ours = [p for p, _ in tokenizer.hf.pre_tokenizer.pre_tokenize_str(text)]
         ref = ["".join(b2u[b] for b in m.encode()) for m in regex.findall(pattern, text)]
         assert ours == ref, text
+
+
+def test_added_tokens_and_bos() -> None:
+    b2u = _bytes_to_unicode()
+    tokens = ["<eos>", "<s>", "<tool>", *b2u.values()]
+    reader = _fake_reader(
+        "qwen2", tokens, [3, 3, 4] + [1] * 256, bos_token_id=1, add_bos_token=True
+    )
+    t = Tokenizer.from_gguf(reader)
+    assert t.bos_id == 1 and t.eos_ids == {0} and t.special_ids == {0, 1}
+    a = tokens.index("a")
+    assert t.encode("a<tool>a") == [a, 2, a]  # User-defined tokens match as one id...
+    assert t.encode("a", add_special_tokens=True) == [1, a]
+    assert t.decode([1, a, 2, 0]) == "a<tool>"  # ...and are text, not skipped specials.
+    assert t.decode([1, a, 2, 0], skip_special_tokens=False) == "<s>a<tool>"
 
 
 def test_unsupported_pre_tokenizer_is_rejected() -> None:
