@@ -475,3 +475,9 @@ def test_hermes_finds_exactly_the_calls_that_were_written(calls, cuts):
     assert run.calls == [("f", args) for _, args in calls]
     assert run.reason is FallbackReason.NONE
     assert run.content.endswith(" tail")
+
+
+def test_invalid_client_schema_skips_validation_instead_of_failing():
+    run = decode(call("g", {"a": 1}), tools={"g": {"type": "not-a-type"}})
+    assert run.calls == [("g", {"a": 1})]
+    assert run.terminal.diagnostics.schema_mismatch_arguments == 0
