@@ -92,7 +92,7 @@ def make_tiny_hf_model(family: str, tmpdir: str | Path, *, seed: int = 0, noise:
 
     cfg = _config(family, overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     with torch.no_grad():
         for p in model.parameters():  # tied embed/lm_head is one Parameter, perturbed once
             p.add_(noise * torch.randn_like(p))

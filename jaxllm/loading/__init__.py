@@ -24,16 +24,21 @@ def detect_format(path: Path) -> str:
       FileNotFoundError: nothing at `path`.
       ValueError: a path that matches no known format.
     """
-    from jaxllm.loading.orbax_io import is_orbax_model
-
     if not path.exists():
         raise FileNotFoundError(f"model path not found: {path}")
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return "gguf"
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        # The suffix decides for named files, so a corrupt .gguf gets the GGUF loader's error.
+        if path.suffix.lower() == ".gguf" or magic == b"GGUF":
+            return "gguf"
     if path.is_dir() and (path / "config.json").is_file():
         return "safetensors"
-    if path.is_dir() and is_orbax_model(path):
-        return "orbax"
+    if path.is_dir():
+        from jaxllm.loading.orbax_io import is_orbax_model
+
+        if is_orbax_model(path):
+            return "orbax"
     raise ValueError(
         f"cannot tell the model format of {path}: expected a .gguf file, a directory with "
         "config.json (safetensors) or a jaxllm orbax directory; for random weights pass "
