@@ -128,7 +128,7 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", scan_layers: b
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
-        n_experts=hf.get("num_experts", 0) if family == "qwen3_moe" else 0,
+        n_experts=(hf.get("num_experts") or hf.get("num_local_experts", 0)) if family == "qwen3_moe" else 0,
         n_experts_per_token=hf.get("num_experts_per_tok", 0) if family == "qwen3_moe" else 0,
         moe_ffn_dim=hf.get("moe_intermediate_size", 0) if family == "qwen3_moe" else 0,
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),

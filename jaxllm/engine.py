@@ -18,7 +18,6 @@ import itertools
 from collections.abc import Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import steps
@@ -155,12 +154,12 @@ class Engine:
         pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
         seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
         row = sampling_row(params, self.cfg.vocab_size, self.eos_ids, seed)
-        self.state = steps.set_slot(self.state, jnp.int32(slot), jnp.asarray(page_row(pages, self.layout)), row)
+        self.state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
         seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed))
         if checkpoint is not None:
             if not 0 < cached_tokens < len(prompt):
                 raise ValueError("cached_tokens must be in (0, len(prompt))")
-            self.state = steps.insert(self.state, jnp.int32(slot), checkpoint)
+            self.state = steps.insert(self.state, np.int32(slot), checkpoint)
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
         return seq
@@ -170,7 +169,7 @@ class Engine:
         if self.seqs.get(seq.slot) is not seq:
             return
         del self.seqs[seq.slot]
-        self.state = steps.release_slot(self.state, jnp.int32(seq.slot))
+        self.state = steps.release_slot(self.state, np.int32(seq.slot))
         self.free_pages.extend(seq.pages)
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
@@ -187,7 +186,7 @@ class Engine:
         written = min(seq.prefilled, len(seq.prompt)) + len(seq.generated)
         n = written if n_positions is None else n_positions
         n_pages = pages_bucket(max(self.layout.pages_for(n), 1), self.layout.max_pages_per_seq)
-        ckpt = steps.extract(self.state, jnp.int32(seq.slot), n_pages=n_pages)
+        ckpt = steps.extract(self.state, np.int32(seq.slot), n_pages=n_pages)
         if n_positions is None:
             return ckpt
         if not 0 < n_positions <= min(seq.prefilled, len(seq.prompt)):
@@ -205,7 +204,7 @@ class Engine:
 
     def pause(self, seq: Sequence) -> PausedSequence:
         """Takes a decoding sequence out of its slot, keeping everything needed to resume it."""
-        ckpt = self.extract(seq, len(seq.prompt) + len(seq.generated))
+        ckpt = self.extract(seq)
         self.remove(seq)
         return PausedSequence(checkpoint=ckpt, sequence=dataclasses.replace(seq, pages=[], generated=list(seq.generated)))
 
@@ -218,8 +217,8 @@ class Engine:
         slot = self.free_slots.pop(0)
         pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
         row = sampling_row(old.params, self.cfg.vocab_size, self.eos_ids, np.uint32(old.seed))
-        state = steps.set_slot(self.state, jnp.int32(slot), jnp.asarray(page_row(pages, self.layout)), row)
-        self.state = steps.insert(state, jnp.int32(slot), paused.checkpoint)
+        state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
+        self.state = steps.insert(state, np.int32(slot), paused.checkpoint)
         seq = dataclasses.replace(old, slot=slot, pages=pages)
         self.seqs[slot] = seq
         return seq
@@ -260,14 +259,14 @@ class Engine:
                 count += 1
         for n_pages in [1, 2, 4] + self.ctx_buckets():
             if n_pages <= self.layout.max_pages_per_seq:
-                ckpt = steps.extract(self.state, jnp.int32(0), n_pages=n_pages)
-                self.state = steps.insert(self.state, jnp.int32(0), ckpt)
+                ckpt = steps.extract(self.state, np.int32(0), n_pages=n_pages)
+                self.state = steps.insert(self.state, np.int32(0), ckpt)
                 count += 1
         from jaxllm.sampling import sampling_row
 
         row = sampling_row(SamplingParams(), self.cfg.vocab_size, self.eos_ids, np.uint32(0))
-        self.state = steps.set_slot(self.state, jnp.int32(0), jnp.asarray(page_row([], self.layout)), row)
-        self.state = steps.release_slot(self.state, jnp.int32(0))
+        self.state = steps.set_slot(self.state, np.int32(0), np.asarray(page_row([], self.layout)), row)
+        self.state = steps.release_slot(self.state, np.int32(0))
         jax.block_until_ready(self.state)
         return count
 
@@ -308,7 +307,7 @@ class Engine:
             n = self.config.decode_steps_per_call
             ctx = self._ctx_pages(max(s.length for s in decoding) + n)
             self.state, out = steps.decode_steps(
-                self.params, self.state, jnp.asarray(mask), jnp.asarray(want_top), cfg=self.cfg, n_steps=n, n_ctx_pages=ctx
+                self.params, self.state, np.asarray(mask), np.asarray(want_top), cfg=self.cfg, n_steps=n, n_ctx_pages=ctx
             )
             return _Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 
@@ -320,9 +319,9 @@ class Engine:
         self.state, out = steps.step(
             self.params,
             self.state,
-            jnp.asarray(mask),
+            np.asarray(mask),
             chunk,
-            jnp.asarray(want_top),
+            np.asarray(want_top),
             cfg=self.cfg,
             chunk_len=chunk_len,
             n_ctx_pages=self._ctx_pages(ctx_needed),
@@ -350,13 +349,13 @@ class Engine:
         positions[:n] = np.arange(start, start + n)
         seq.prefilled = start + n
         chunk = steps.ChunkBatch(
-            tokens=jnp.asarray(tokens),
-            slots=jnp.asarray(slots),
-            positions=jnp.asarray(positions),
-            seg_slot=jnp.asarray([seq.slot], jnp.int32),
-            seg_start=jnp.asarray([0], jnp.int32),
-            seg_len=jnp.asarray([n], jnp.int32),
-            seg_samples=jnp.asarray([seq.prefilled == len(seq.prompt)]),
+            tokens=np.asarray(tokens),
+            slots=np.asarray(slots),
+            positions=np.asarray(positions),
+            seg_slot=np.asarray([seq.slot], np.int32),
+            seg_start=np.asarray([0], np.int32),
+            seg_len=np.asarray([n], np.int32),
+            seg_samples=np.asarray([seq.prefilled == len(seq.prompt)]),
         )
         return chunk, start + n, n
 

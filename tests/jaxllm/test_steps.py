@@ -1,0 +1,216 @@
+"""The step contract: determinism per seed, checkpoints, no recompiles, donation, errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine import Engine, EngineConfig, EngineFull
+from jaxllm.loading.dummy import dummy_params
+from jaxllm.sampling import SamplingParams, process_logits
+from jaxllm.state import empty_sampling
+
+CFG = ModelConfig(
+    family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+    ffn_dim=64, max_position=256,
+)
+
+
+@pytest.fixture(scope="module")
+def params():
+    # Larger weights than the loader's default so the distribution is not near uniform.
+    return jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, dummy_params(CFG, seed=1))
+
+
+def make_engine(params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32)) -> Engine:
+    config = EngineConfig(max_slots=slots, kv_bytes=1 << 20, max_seq_len=128, chunk_buckets=chunk_buckets,
+                          min_ctx_pages=2, decode_steps_per_call=steps_per_call)
+    return Engine(CFG, params, eos_ids=[0], config=config)
+
+
+def run_until_done(engine: Engine, seqs) -> None:
+    while any(s.finish_reason is None for s in seqs):
+        engine.step()
+
+
+PROMPT = [5, 9, 33, 2, 71, 14, 14, 60, 3]
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=30, seed=1234, max_tokens=20, ignore_eos=True)
+
+
+def test_seeded_sample_same_in_any_slot_beside_any_neighbours(params):
+    alone = make_engine(params)
+    (ref,) = [alone.add(PROMPT, SAMPLED)]
+    run_until_done(alone, [ref])
+
+    crowded = make_engine(params, steps_per_call=4)
+    neighbours = [
+        crowded.add([1, 2, 3], SamplingParams(temperature=0.7, seed=1, max_tokens=30, ignore_eos=True)),
+        crowded.add(PROMPT[::-1], SamplingParams(temperature=0, max_tokens=5)),
+        crowded.add([4] * 40, SamplingParams(temperature=1.3, min_p=0.1, max_tokens=25, ignore_eos=True)),
+    ]
+    target = crowded.add(PROMPT, SAMPLED)
+    assert target.slot != ref.slot
+    run_until_done(crowded, neighbours + [target])
+    assert target.generated == ref.generated
+    assert len(set(ref.generated)) > 3  # really sampled, not a constant stream
+
+
+def test_top1_sampling_equals_greedy(params):
+    engine = make_engine(params)
+    greedy = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
+    top1 = engine.add(PROMPT, SamplingParams(temperature=1.5, top_k=1, seed=7, max_tokens=15, ignore_eos=True))
+    run_until_done(engine, [greedy, top1])
+    assert greedy.generated == top1.generated
+
+
+def test_biased_out_tokens_are_never_drawn(params):
+    engine = make_engine(params)
+    banned = set(range(0, 96, 2))
+    seq = engine.add(PROMPT, SamplingParams(temperature=2.0, seed=3, max_tokens=40, ignore_eos=True,
+                                             logit_bias={t: -100.0 for t in banned}))
+    run_until_done(engine, [seq])
+    assert not banned & set(seq.generated)
+
+
+def test_pause_and_resume_equals_never_paused(params):
+    engine = make_engine(params)
+    ref = engine.add(PROMPT, SAMPLED)
+    run_until_done(engine, [ref])
+    engine.remove(ref)
+
+    engine = make_engine(params)
+    seq = engine.add(PROMPT, SAMPLED)
+    for _ in range(6):
+        engine.step()
+    paused = engine.pause(seq)
+    other = engine.add([8, 8, 8], SamplingParams(temperature=0, max_tokens=3))  # takes the old slot
+    resumed = engine.resume(paused)
+    assert resumed.slot != seq.slot
+    run_until_done(engine, [resumed, other])
+    assert resumed.generated == ref.generated
+
+
+def test_stop_tokens_and_min_tokens(params):
+    engine = make_engine(params)
+    free = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    run_until_done(engine, [free])
+    stop_at = free.generated[3]
+    first = free.generated.index(stop_at)
+    stopped = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,)))
+    run_until_done(engine, [stopped])
+    assert stopped.generated == free.generated[: first + 1] and stopped.finish_reason == "stop"
+    assert free.finish_reason == "length"
+    late = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2, ignore_eos=True,
+                                            stop_token_ids=(stop_at,)))
+    run_until_done(engine, [late])
+    assert stop_at not in late.generated[: first + 2]
+
+
+def test_penalties_match_numpy_reference():
+    rng = np.random.default_rng(0)
+    B, V = 3, 11
+    logits = rng.normal(size=(B, V)).astype(np.float32) * 3
+    seen = rng.random((B, V)) < 0.4
+    counts = rng.integers(0, 3, size=(B, V)).astype(np.int32)
+    s = empty_sampling(B, V).replace(
+        repetition_penalty=jnp.asarray([1.0, 1.3, 0.8]),
+        presence_penalty=jnp.asarray([0.0, 0.5, -0.2]),
+        frequency_penalty=jnp.asarray([0.3, 0.0, 1.0]),
+        logit_bias=jnp.asarray(rng.normal(size=(B, V)).astype(np.float32)),
+    )
+    ours = np.asarray(process_logits(jnp.asarray(logits), s, jnp.asarray(seen), jnp.asarray(counts), jnp.zeros((B,), jnp.int32)))
+    ref = logits.copy()
+    for b in range(B):
+        rp = float(s.repetition_penalty[b])
+        for v in range(V):
+            if seen[b, v]:
+                ref[b, v] = ref[b, v] / rp if ref[b, v] > 0 else ref[b, v] * rp
+            ref[b, v] -= float(s.frequency_penalty[b]) * counts[b, v] + float(s.presence_penalty[b]) * (counts[b, v] > 0)
+            ref[b, v] += float(s.logit_bias[b, v])
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_no_recompilation_after_warmup(params):
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    for steps_per_call in (1, 3):
+        engine = make_engine(params, slots=3, steps_per_call=steps_per_call)
+        engine.warmup()
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            compiles.clear()
+            rng = np.random.default_rng(0)
+            live = []
+            variants = [
+                SamplingParams(temperature=0, max_tokens=4),
+                SamplingParams(temperature=0.8, top_k=5, top_p=0.5, seed=2, max_tokens=6, logprobs=True, top_logprobs=20),
+                SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.2, presence_penalty=0.5,
+                               frequency_penalty=0.4, logit_bias={1: 5.0, 2: -3.0, 9: 1.0}, stop_token_ids=(3, 4, 5, 6),
+                               min_tokens=2, max_tokens=8, top_logprobs=3),
+                SamplingParams(temperature=0, ignore_eos=True, max_tokens=3, stop_token_ids=(7,), top_logprobs=0),
+            ]
+            for length in [1, 2, 7, 8, 9, 31, 33, 60, 100, 120]:
+                prompt = rng.integers(1, CFG.vocab_size, size=length).tolist()
+                p = variants[length % len(variants)]
+                while True:
+                    try:
+                        live.append(engine.add(prompt, p))
+                        break
+                    except EngineFull:
+                        engine.step(prefill_budget=int(rng.integers(1, 40)))
+                        for s in [s for s in live if s.finish_reason is not None]:
+                            engine.remove(s)
+                            live.remove(s)
+            # A prefix checkpoint inserted into a new slot, and n > 1 (the same prompt twice).
+            run_until_done(engine, live)
+            for s in live:
+                engine.remove(s)
+            donor = engine.add(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=2))
+            run_until_done(engine, [donor])
+            ckpt = engine.extract(donor, 20)
+            engine.remove(donor)
+            twins = [engine.add(list(range(1, 40)), SamplingParams(temperature=1, seed=5, max_tokens=5), checkpoint=ckpt,
+                                cached_tokens=20) for _ in range(2)]
+            run_until_done(engine, twins)
+            assert twins[0].generated == twins[1].generated
+            assert compiles == [], f"{len(compiles)} compilations after warm-up"
+        finally:
+            jax.monitoring.clear_event_listeners()
+
+
+def test_steps_donate_the_state_without_copies(params):
+    engine = make_engine(params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seq = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=6))
+        run_until_done(engine, [seq])
+    assert not [w for w in caught if "donated" in str(w.message)]
+
+
+def test_bad_inputs_have_clear_errors(params):
+    engine = make_engine(params)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        engine.add([1] * 120, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add([], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add([1, 500], SamplingParams())
+    for bad, message in [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(logit_bias={1000: 1.0}), "logit_bias"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            engine.add([1, 2], SamplingParams(**bad))
+    assert engine.seqs == {} and len(engine.free_slots) == 4
