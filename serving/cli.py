@@ -2,14 +2,71 @@
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import sys
+import threading
+from pathlib import Path
 
 from jaxllm import cli as runtime_cli
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    runtime_cli.add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--config", default=None, help="settings TOML (default: configs/server.toml if present)")
+    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"))
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before /health")
+    p.set_defaults(func=run_serve)
+
+
+def serve(loader, *, model_name: str, host: str, port: int, config: str | None, api_key: str | None,
+          warmup: bool = True) -> int:
+    """Runs the server until stopped; returns the exit status (1 if the worker died)."""
+    from serving.app import create_app
+    from serving.settings import SettingsStore, load_settings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config is None and Path("configs/server.toml").exists():
+        config = "configs/server.toml"
+    store = SettingsStore(load_settings(config), config)
+    status = {"code": 0}
+
+    def on_death(e: BaseException) -> None:
+        status["code"] = 1
+        # /health already answers 503; give clients a moment to see it, then exit non-zero.
+        threading.Timer(1.0, os._exit, (1,)).start()
+
+    app = create_app(store, loader=loader, model_name=model_name, api_key=api_key, warmup=warmup, on_death=on_death)
+    print(f"jaxllm serving {model_name} at http://{host}:{port}/v1 (health: http://{host}:{port}/health)", flush=True)
+    app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
+    return status["code"]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from jaxllm.api import load
+
+    def loader():
+        return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers)
+
+    name = args.served_model_name or Path(args.model).stem
+    return serve(loader, model_name=name, host=args.host, port=args.port, config=args.config, api_key=args.api_key,
+                 warmup=not args.no_warmup)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = runtime_cli.build_parser()
-    return runtime_cli.main(argv, parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return runtime_cli.main(argv, build_parser())
 
 
 if __name__ == "__main__":

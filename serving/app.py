@@ -1,0 +1,379 @@
+"""The Sanic app: OpenAI-compatible routes over the scheduler.
+
+`create_app(settings, ...)` builds the app; the model loads and every shape bucket compiles
+on the worker thread started after the server starts, and `/health` answers 503 until then.
+Handlers never touch the engine: they parse and tokenize (in an executor, off the event
+loop), hand a `Job` to the scheduler and relay its frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sanic import Blueprint, Request, Sanic, response
+from sanic.exceptions import NotFound, PayloadTooLarge, SanicException
+
+from serving.metrics import Metrics
+from serving.output import Done, Error, Finish, Formatter, Output, sse
+from serving.protocol import ApiError, Prepared, parse_chat, parse_completion
+from serving.scheduler import Job, Scheduler, reservation_bytes, warmup_engine
+from serving.sessions import SessionStore
+from serving.settings import SettingsStore
+
+log = logging.getLogger("jaxllm.serve")
+_app_ids = itertools.count()
+
+
+class Server:
+    """What the routes share (on `app.ctx.server`): model, scheduler, stores, settings."""
+
+    def __init__(self, settings: SettingsStore, loader: Callable[[], Any], model_name: str, api_key: str | None,
+                 warmup: bool, on_death: Callable[[BaseException], None] | None):
+        self.settings = settings
+        self.loader = loader
+        self.model_name = model_name
+        self.api_key = api_key
+        self.warmup = warmup
+        self.on_death = on_death
+        self.metrics = Metrics()
+        self.sessions = SessionStore(settings.current.limits.session_ttl_seconds)
+        self.model: Any = None
+        self.engine: Any = None
+        self.scheduler: Scheduler | None = None
+        self.load_error: BaseException | None = None
+        self._ids = itertools.count()
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None and self.scheduler.ready and self.scheduler.dead is None
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Loads the model and starts the worker (which warms up); runs on its own thread."""
+        from jaxllm.engine import EngineConfig
+        from jaxllm.state import kv_bytes_per_page
+
+        try:
+            started = time.perf_counter()
+            self.model = self.loader()
+            e = self.settings.current.engine
+            self.engine = self.model.engine(EngineConfig(
+                max_slots=e.max_slots, kv_bytes=e.kv_mib << 20, max_seq_len=e.max_seq_len, page_size=e.page_size,
+                chunk_buckets=tuple(e.chunk_buckets), decode_steps_per_call=e.decode_steps_per_call))
+            cfg = self.model.cfg
+            engine = self.engine
+
+            def warm() -> None:
+                t = time.perf_counter()
+                rounds = warmup_engine(engine, vocab=cfg.vocab_size) if self.warmup else 0
+                log.info("warm-up: %d rounds in %.1fs (model loaded in %.1fs)", rounds, time.perf_counter() - t, t - started)
+
+            self.scheduler = Scheduler(
+                engine, self.model.tokenizer, self.settings, self.metrics, self.sessions,
+                bytes_per_page=int(kv_bytes_per_page(cfg, engine.layout.page_size)), vocab=cfg.vocab_size,
+                cache_options=f"{self.model_name}:{cfg.dtype}".encode(), on_death=self.on_death, warmup=warm)
+            self.scheduler.start()
+        except BaseException as e:  # noqa: BLE001
+            self.load_error = e
+            log.critical("model load failed: %s", e, exc_info=True)
+            if self.on_death is not None:
+                self.on_death(e)
+
+    def next_id(self, kind: str) -> str:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def error_response(e: ApiError) -> response.HTTPResponse:
+    return response.json(e.body(), status=e.status, headers=e.headers)
+
+
+def _server(request: Request) -> Server:
+    return request.app.ctx.server
+
+
+def _check_ready(srv: Server) -> None:
+    if not srv.ready:
+        raise ApiError(503, "the model is loading" if srv.scheduler is None or srv.scheduler.dead is None
+                       else "the worker thread died", type="service_unavailable")
+
+
+def _check_model(srv: Server, body: Any) -> None:
+    name = body.get("model") if isinstance(body, dict) else None
+    if name is not None and name != srv.model_name:
+        raise ApiError(404, f"the model '{name}' does not exist", code="model_not_found", param="model")
+
+
+def _json_body(request: Request) -> Any:
+    try:
+        return request.json
+    except Exception:  # noqa: BLE001
+        raise ApiError(400, "the body is not valid JSON") from None
+
+
+api = Blueprint("openai")
+
+
+@api.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    return await _generate(request, "chat")
+
+
+@api.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: Request, kind: str) -> Any:
+    srv = _server(request)
+    _check_ready(srv)
+    body = _json_body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(srv, body)
+    settings = srv.settings.current
+    engine, tok, cfg = srv.engine, srv.model.tokenizer, srv.model.cfg
+    session_id, history, session_seed = None, None, None
+    if kind == "chat" and body.get("session") not in (None, False):
+        sess = body["session"]
+        if sess is True or sess == "new":
+            s = srv.sessions.create(srv.api_key)
+            session_id, history, session_seed = s.id, [], s.rng
+        elif isinstance(sess, str):
+            snap = srv.sessions.snapshot(sess, srv.api_key)
+            if snap is None:
+                raise ApiError(404, f"session '{sess}' does not exist (or expired)", param="session", code="session_not_found")
+            session_id, (history, session_seed) = sess, snap
+        else:
+            raise ApiError(400, "'session' must be true, \"new\" or a session id", param="session")
+    loop = asyncio.get_running_loop()
+
+    def prepare() -> Prepared:
+        common = dict(max_context=engine.max_context, model_name=srv.model_name, vocab=cfg.vocab_size)
+        if kind == "chat":
+            return parse_chat(body, tok, settings, history=history, session_seed=session_seed, **common)
+        return parse_completion(body, tok, settings, **common)
+
+    prepared = await loop.run_in_executor(None, prepare)
+    pages = engine.pages_needed(len(prepared.prompt) + prepared.max_tokens)
+    reservation = reservation_bytes(prepared, srv.scheduler.bytes_per_page, pages, cfg.vocab_size, settings,
+                                    len(request.body or b""))
+    never = None
+    if prepared.n > engine.layout.max_slots:
+        never = f"n={prepared.n} is more than the {engine.layout.max_slots} sequence slots"
+    elif pages * prepared.n > engine.layout.n_pages - 1:
+        never = "the request needs more KV pages than the pool holds"
+    elif reservation > settings.budget_bytes:
+        never = "the request exceeds active_state_mib; reduce max_tokens or n, or raise the state budget"
+    if never:
+        srv.scheduler.totals["rejected"] += 1
+        srv.metrics.count_outcome("rejected")
+        raise ApiError(503, never, code="never_fits", headers={"x-should-retry": "false"})
+    output = Output(loop)
+    job = Job(id=srv.next_id(kind), prepared=prepared, settings=settings, output=output, reservation=reservation,
+              pages=pages, arrived=srv.scheduler.clock(), session_id=session_id,
+              session_messages=prepared.messages if session_id else [])
+    fmt = Formatter(kind, job.id, srv.model_name, include_usage=prepared.include_usage, logprobs=prepared.logprobs)
+    headers = {"x-session-id": session_id} if session_id else {}
+    srv.scheduler.submit(job)
+    try:
+        frames = await output.next_frames()
+        first_error = next((f for f in frames if isinstance(f, Error)), None)
+        if first_error is not None and not any(isinstance(f, Finish) for f in frames):
+            raise ApiError(first_error.status, first_error.message)
+        if prepared.stream:
+            return await _stream(request, output, fmt, frames, headers)
+        return await _collect(output, fmt, frames, headers)
+    finally:
+        if not output.closed:
+            output.cancel()
+
+
+async def _stream(request: Request, output: Output, fmt: Formatter, frames: list, headers: dict) -> None:
+    resp = await request.respond(content_type="text/event-stream", headers={"cache-control": "no-cache", **headers})
+    while True:
+        for f in frames:
+            if isinstance(f, Error):
+                await resp.send(sse({"error": ApiError(f.status, f.message).body()["error"]}))
+                await resp.eof()
+                return
+            for chunk in fmt.chunks(f):
+                await resp.send(sse(chunk))
+            if isinstance(f, Done):
+                await resp.send(sse("[DONE]"))
+                await resp.eof()
+                return
+        frames = await output.next_frames()
+
+
+async def _collect(output: Output, fmt: Formatter, frames: list, headers: dict) -> response.HTTPResponse:
+    finishes: list[Finish] = []
+    while True:
+        for f in frames:
+            if isinstance(f, Error):
+                raise ApiError(f.status, f.message)
+            if isinstance(f, Finish):
+                finishes.append(f)
+            if isinstance(f, Done):
+                return response.json(fmt.response(finishes, f), headers=headers)
+        frames = await output.next_frames()
+
+
+@api.get("/v1/models")
+async def models(request: Request) -> Any:
+    srv = _server(request)
+    data = [{"id": srv.model_name, "object": "model", "created": 0, "owned_by": "jaxllm",
+             "max_model_len": srv.engine.max_context if srv.engine is not None else None}]
+    return response.json({"object": "list", "data": data})
+
+
+@api.get("/health")
+async def health(request: Request) -> Any:
+    srv = _server(request)
+    if srv.ready:
+        return response.json({"status": "ok"})
+    dead = srv.load_error or (srv.scheduler.dead if srv.scheduler else None)
+    return response.json({"status": "dead" if dead else "loading"}, status=503)
+
+
+@api.post("/tokenize")
+async def tokenize(request: Request) -> Any:
+    srv = _server(request)
+    _check_ready(srv)
+    body = _json_body(request)
+    _check_model(srv, body)
+    tok = srv.model.tokenizer
+    if "messages" in body:
+        from jaxllm.chat_template import ChatTemplateError, tokenize_chat
+
+        try:
+            ids = tokenize_chat(tok, body["messages"], add_generation_prompt=bool(body.get("add_generation_prompt", True))).ids
+        except ChatTemplateError as e:
+            raise ApiError(400, f"chat template: {e}", param="messages") from None
+    elif isinstance(body.get("prompt"), str):
+        ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", False)))
+    else:
+        raise ApiError(400, "'prompt' (a string) or 'messages' is required")
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": srv.engine.max_context, "tokens": ids}
+    if body.get("return_token_strs"):
+        out["token_strs"] = [tok.id_to_piece(i) for i in ids]
+    return response.json(out)
+
+
+@api.post("/detokenize")
+async def detokenize(request: Request) -> Any:
+    srv = _server(request)
+    _check_ready(srv)
+    body = _json_body(request)
+    _check_model(srv, body)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < srv.model.cfg.vocab_size for t in ids):
+        raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
+    return response.json({"prompt": srv.model.tokenizer.decode(ids, skip_special_tokens=False)})
+
+
+@api.get("/metrics")
+async def metrics(request: Request) -> Any:
+    return response.raw(_server(request).metrics.text(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@api.get("/v1/state")
+async def state(request: Request) -> Any:
+    return response.json(_server(request).metrics.state)
+
+
+@api.post("/v1/settings/reload")
+async def reload_settings(request: Request) -> Any:
+    srv = _server(request)
+    try:
+        result = srv.settings.reload()
+    except (OSError, ValueError) as e:
+        raise ApiError(400, f"settings reload failed: {e}") from None
+    log.info("settings reloaded: %s", result)
+    return response.json(result)
+
+
+@api.get("/v1/sessions/<session_id:str>")
+async def get_session(request: Request, session_id: str) -> Any:
+    srv = _server(request)
+    s = srv.sessions.get(session_id, srv.api_key)
+    if s is None:
+        raise ApiError(404, f"session '{session_id}' does not exist", code="session_not_found")
+    return response.json(s.public())
+
+
+@api.delete("/v1/sessions/<session_id:str>")
+async def delete_session(request: Request, session_id: str) -> Any:
+    srv = _server(request)
+    if not srv.sessions.delete(session_id, srv.api_key):
+        raise ApiError(404, f"session '{session_id}' does not exist", code="session_not_found")
+    return response.json({"id": session_id, "object": "session.deleted", "deleted": True})
+
+
+_OPEN_PATHS = {"/health", "/metrics"}
+
+
+def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name: str, api_key: str | None = None,
+               warmup: bool = True, on_death: Callable[[BaseException], None] | None = None) -> Sanic:
+    """Builds the Sanic app; `loader()` returns a `jaxllm.api.Model` (called off the loop)."""
+    app = Sanic(f"jaxllm_{next(_app_ids)}")
+    lim = settings.current.limits
+    app.config.REQUEST_MAX_SIZE = lim.request_bytes
+    app.config.RESPONSE_TIMEOUT = 7 * 24 * 3600  # long generations are not cut
+    app.config.REQUEST_TIMEOUT = 600
+    app.config.KEEP_ALIVE_TIMEOUT = 75
+    app.config.NOISY_EXCEPTIONS = False
+    srv = Server(settings, loader, model_name, api_key, warmup, on_death)
+    app.ctx.server = srv
+    app.blueprint(api)
+
+    @app.on_request
+    async def authenticate(request: Request) -> Any:
+        if srv.api_key is None or request.path in _OPEN_PATHS:
+            return None
+        if request.headers.get("authorization", "") != f"Bearer {srv.api_key}":
+            srv.metrics.count_http_error(401)
+            return error_response(ApiError(401, "missing or wrong API key", code="invalid_api_key"))
+        return None
+
+    @app.exception(ApiError)
+    async def api_error(request: Request, e: ApiError) -> Any:
+        srv.metrics.count_http_error(e.status)
+        return error_response(e)
+
+    @app.exception(PayloadTooLarge)
+    async def too_large(request: Request, e: Exception) -> Any:
+        srv.metrics.count_http_error(413)
+        return error_response(ApiError(413, f"the request body is over request_bytes ({srv.settings.current.limits.request_bytes})"))
+
+    @app.exception(NotFound)
+    async def not_found(request: Request, e: Exception) -> Any:
+        return error_response(ApiError(404, f"no route {request.method} {request.path}"))
+
+    @app.exception(SanicException)
+    async def sanic_error(request: Request, e: SanicException) -> Any:
+        status = getattr(e, "status_code", 500) or 500
+        return error_response(ApiError(status, str(e)))
+
+    @app.after_server_start
+    async def start(app: Sanic) -> None:
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=srv.load, args=(loop,), name="jaxllm-load", daemon=True).start()
+        try:
+            loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP: settings reloaded: %s", srv.settings.reload()))
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+
+    @app.before_server_stop
+    async def stop(app: Sanic) -> None:
+        if srv.scheduler is not None:
+            await asyncio.get_running_loop().run_in_executor(None, srv.scheduler.stop)
+
+    return app

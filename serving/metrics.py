@@ -1,0 +1,47 @@
+"""Counters and gauges (Prometheus text at /metrics) and the JSON state snapshot.
+
+The worker owns the numbers: it updates counters as things happen and publishes a fresh
+`state` dict every round (a reference swap, so a handler reading it never sees half an
+update and never touches device arrays).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("jaxllm_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.http_errors = Counter("jaxllm_http_errors", "Error responses by status", ["status"], registry=r)
+        self.prompt_tokens = Counter("jaxllm_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.cached_tokens = Counter("jaxllm_cached_tokens", "Prompt tokens restored from the prefix cache", registry=r)
+        self.generated_tokens = Counter("jaxllm_generated_tokens", "Tokens generated", registry=r)
+        self.prefill_seconds = Counter("jaxllm_prefill_seconds", "Seconds of rounds carrying prompt chunks", registry=r)
+        self.decode_seconds = Counter("jaxllm_decode_seconds", "Seconds of decode-only rounds", registry=r)
+        self.reconcile_errors = Counter("jaxllm_reconcile_errors", "Streamed text differed from the final decode", registry=r)
+        self.round_failures = Counter("jaxllm_round_failures", "Compiled rounds that raised", registry=r)
+        self.tool_fallbacks = Counter("jaxllm_tool_call_fallbacks", "Tool-call parses that fell back", ["reason"], registry=r)
+        self.tool_schema_mismatches = Counter("jaxllm_tool_call_schema_mismatches", "Calls whose arguments failed the schema", registry=r)
+        self.tool_empty_arguments = Counter("jaxllm_tool_call_empty_arguments", "Calls with empty arguments omitted", registry=r)
+        self.queued = Gauge("jaxllm_queued_requests", "Requests waiting for admission", registry=r)
+        self.active = Gauge("jaxllm_active_requests", "Requests admitted", registry=r)
+        self.reserved_bytes = Gauge("jaxllm_reserved_state_bytes", "Bytes reserved by admitted requests", registry=r)
+        self.reserved_pages = Gauge("jaxllm_reserved_pages", "KV pages held by admitted requests", registry=r)
+        self.prefix_cache_bytes = Gauge("jaxllm_prefix_cache_bytes", "Bytes held by the prefix cache", registry=r)
+        self.prefix_cache_entries = Gauge("jaxllm_prefix_cache_entries", "Prefix cache entries", registry=r)
+        self.sessions = Gauge("jaxllm_sessions", "Live sessions", registry=r)
+        self.prefill_chunk = Gauge("jaxllm_prefill_chunk_tokens", "Prompt tokens per round (pacer)", registry=r)
+        self.state: dict[str, Any] = {"ready": False}
+
+    def count_outcome(self, outcome: str, n: int = 1) -> None:
+        self.requests.labels(outcome=outcome).inc(n)
+
+    def count_http_error(self, status: int) -> None:
+        self.http_errors.labels(status=str(status)).inc()
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,320 @@
+"""OpenAI request shapes: parsing, validation (400 with OpenAI error JSON), sampling params.
+
+`parse_chat` / `parse_completion` turn a JSON body into a `Prepared` request: prompt ids
+(rendered through the chat template), message boundaries for the prefix cache, one
+`SamplingParams` per choice (n >= 1; seeds seed, seed+1, ...), stop strings, the tool
+contract and the output options. Pure host code; runs off the device thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from jaxllm.chat_template import ChatTemplateError, tokenize_chat
+from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from jaxllm.tokenizer import Tokenizer
+from serving.settings import Settings
+from serving.tool_calls import (
+    DEFAULT_TOOL_SYSTEM_PROMPT,
+    ToolContract,
+    pick_format,
+    render_tool_calls_as_text,
+    render_tool_result_as_text,
+)
+
+
+class ApiError(Exception):
+    """An error a client sees: HTTP status plus the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "server_error")
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 499: "cancelled", 503: "service_unavailable"}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A parsed, tokenized request ready for the scheduler."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt: list[int]
+    boundaries: list[int]  # prefix-cache candidates (< len(prompt)), ascending
+    params: list[SamplingParams]  # one per choice
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    skip_special_tokens: bool = True
+    tools: ToolContract | None = None
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # new messages (sessions)
+    session: str | bool | None = None
+    user: str | None = None
+    seed_given: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.params)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params[0].max_tokens
+
+
+def _get(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise bad(f"'{name}' has the wrong type", name)
+    if not isinstance(value, kinds):
+        raise bad(f"'{name}' has the wrong type", name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    return float(_get(body, name, (int, float), default))
+
+
+def _text_of(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, Mapping) or p.get("type") != "text":
+                raise bad("only text content parts are supported", "messages")
+            parts.append(str(p.get("text", "")))
+        return "".join(parts)
+    raise bad("message content must be a string or a list of text parts", "messages")
+
+
+def template_has_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def normalize_messages(messages: Any, tools: list[dict] | None, native_tools: bool) -> list[dict[str, Any]]:
+    """Validates messages; for templates without tool support renders calls/results as text."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if not isinstance(m, Mapping) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad("each message needs a role of system, developer, user, assistant or tool", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg: dict[str, Any] = {"role": role, "content": _text_of(m.get("content"))}
+        calls = m.get("tool_calls")
+        if calls:
+            if native_tools:
+                msg["tool_calls"] = [
+                    {**c, "function": {**c["function"], "arguments": _args_obj(c["function"].get("arguments"))}}
+                    for c in calls
+                ]
+            else:
+                text = render_tool_calls_as_text(calls)
+                msg["content"] = (msg["content"] + "\n" + text) if msg["content"] else text
+        if role == "tool":
+            if native_tools:
+                msg["tool_call_id"] = m.get("tool_call_id")
+                if m.get("name"):
+                    msg["name"] = m["name"]
+            else:
+                msg = {"role": "user", "content": render_tool_result_as_text(m.get("name"), msg["content"])}
+        out.append(msg)
+    if tools and not native_tools:
+        block = DEFAULT_TOOL_SYSTEM_PROMPT(tools)
+        if out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def _args_obj(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw or {}
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise bad("'stop' must be a non-empty string or a list of up to 16 of them", "stop")
+    return tuple(stop)
+
+
+def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_context: int,
+              vocab: int, logprobs: bool, top_logprobs: int, seed: int | None) -> SamplingParams:
+    d, lim = settings.defaults, settings.limits
+    max_tokens = _get(body, "max_completion_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = max(1, min(d.max_tokens, lim.max_output_tokens, max_context - prompt_len))
+    if max_tokens < 1:
+        raise bad("'max_tokens' must be at least 1", "max_tokens")
+    if max_tokens > lim.max_output_tokens:
+        raise bad(f"'max_tokens' {max_tokens} is over the server's max_output_tokens ({lim.max_output_tokens})", "max_tokens")
+    if prompt_len + max_tokens > max_context:
+        raise bad(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is over the context of {max_context} tokens", "max_tokens")
+    bias = _get(body, "logit_bias", dict, {})
+    try:
+        logit_bias = {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise bad("'logit_bias' maps token ids to numbers", "logit_bias") from None
+    stop_ids = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise bad("'stop_token_ids' must be token ids", "stop_token_ids")
+    top_k = _get(body, "top_k", int, d.top_k)
+    p = SamplingParams(
+        temperature=_number(body, "temperature", d.temperature),
+        top_k=0 if top_k == -1 else top_k,
+        top_p=_number(body, "top_p", d.top_p),
+        min_p=_number(body, "min_p", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        logit_bias=logit_bias,
+        stop_token_ids=tuple(stop_ids),
+        max_tokens=max_tokens,
+        min_tokens=_get(body, "min_tokens", int, 0),
+        ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
+        seed=seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    try:
+        p.validate(vocab)
+    except ValueError as e:
+        raise bad(str(e)) from None
+    return p
+
+
+def _choices(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_context: int, vocab: int,
+             logprobs: bool, top_logprobs: int, seed: int | None) -> list[SamplingParams]:
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= 16:
+        raise bad("'n' must be between 1 and 16", "n")
+    base = _sampling(body, settings, prompt_len, max_context, vocab, logprobs, top_logprobs, seed)
+    if seed is None:
+        return [base] * n
+    return [dataclasses.replace(base, seed=(seed + i) & 0xFFFFFFFF) for i in range(n)]
+
+
+def _common(body: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(body, Mapping):
+        raise bad("the request body must be a JSON object")
+    stream = bool(_get(body, "stream", bool, False))
+    opts = _get(body, "stream_options", dict, {})
+    if opts and not stream:
+        raise bad("'stream_options' is only allowed with stream", "stream_options")
+    seed = _get(body, "seed", int, None)
+    user = _get(body, "user", str, None)
+    return dict(stream=stream, include_usage=bool(opts.get("include_usage", False)), seed=seed, user=user,
+                skip_special_tokens=bool(_get(body, "skip_special_tokens", bool, True)), stop=_stop(body))
+
+
+def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings, *, max_context: int,
+               model_name: str, vocab: int, history: list[dict[str, Any]] | None = None,
+               session_seed: int | None = None) -> Prepared:
+    common = _common(body)
+    response_format = _get(body, "response_format", dict, {"type": "text"})
+    if response_format.get("type", "text") != "text":
+        raise bad("response_format other than text is not supported yet", "response_format")
+    tools = _get(body, "tools", list, None)
+    tool_choice = body.get("tool_choice") or "auto"
+    if tools is not None:
+        if not all(isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and "name" in t["function"] for t in tools):
+            raise bad("each tool needs function.name", "tools")
+    if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
+        raise bad("'tool_choice' must be auto, none, required or a named function", "tool_choice")
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name")
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise bad("'tool_choice' names a function that is not in tools", "tool_choice")
+    native = template_has_tools(tokenizer.chat_template)
+    raw_messages = body.get("messages")
+    new_messages = list(raw_messages) if isinstance(raw_messages, list) else raw_messages
+    all_messages = (history or []) + (new_messages or []) if history is not None else new_messages
+    use_tools = tools if tools and tool_choice != "none" else None
+    messages = normalize_messages(all_messages, use_tools, native)
+    try:
+        chat = tokenize_chat(tokenizer, messages, tools=use_tools if native else None)
+    except ChatTemplateError as e:
+        raise bad(f"chat template: {e}", "messages") from None
+    logprobs = bool(_get(body, "logprobs", bool, False))
+    top = _get(body, "top_logprobs", int, 0)
+    if top and not logprobs:
+        raise bad("'top_logprobs' needs logprobs: true", "top_logprobs")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+    seed = common["seed"] if common["seed"] is not None else session_seed
+    params = _choices(body, settings, len(chat.ids), max_context, vocab, logprobs, top, seed)
+    contract = None
+    if use_tools:
+        fmt = pick_format(model_name, settings.defaults.tool_call_format or None)
+        contract = ToolContract.from_openai(use_tools, format=fmt, tool_choice=tool_choice)
+    boundaries = sorted({b for b in chat.message_boundaries if 0 < b < len(chat.ids)})
+    return Prepared(kind="chat", model=model_name, prompt=chat.ids, boundaries=boundaries, params=params,
+                    stop=common["stop"], stream=common["stream"], include_usage=common["include_usage"],
+                    logprobs=logprobs, top_logprobs=top, skip_special_tokens=common["skip_special_tokens"],
+                    tools=contract, messages=list(new_messages), session=body.get("session"),
+                    user=common["user"], seed_given=common["seed"] is not None)
+
+
+def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings, *, max_context: int,
+                     model_name: str, vocab: int) -> Prepared:
+    common = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad("prompt has a token id outside the vocabulary", "prompt")
+    else:
+        raise bad("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+    if not ids:
+        raise bad("the prompt is empty", "prompt")
+    lp = _get(body, "logprobs", int, None)
+    if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
+        raise bad(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+    logprobs = lp is not None
+    params = _choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"])
+    return Prepared(kind="completion", model=model_name, prompt=ids, boundaries=[], params=params,
+                    stop=common["stop"], stream=common["stream"], include_usage=common["include_usage"],
+                    logprobs=logprobs, top_logprobs=lp or 0, echo=bool(_get(body, "echo", bool, False)),
+                    skip_special_tokens=common["skip_special_tokens"], user=common["user"],
+                    seed_given=common["seed"] is not None)

@@ -1,0 +1,676 @@
+"""The worker thread: pending -> admit -> rounds -> frames -> finish.
+
+Concurrency story: one thread (this one) owns the engine and the prefix cache and is the
+only code that touches device arrays. Handlers hand in `Job`s through a queue and read what
+the worker publishes: frames through each job's `Output`, and `metrics.state`, a dict
+swapped in every round. A round is one engine call (every decoding sequence's next token
+plus one paced prompt chunk); a failing round fails only its requests. If the thread dies,
+`on_death` is called (the server turns /health 503 and exits non-zero).
+
+Policy (admission order with a bounded starvation wait, reservations within the budget,
+prefill pacing, cancellation at each phase) is plain Python over the `EngineLike` protocol,
+so tests drive it with a fake engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxllm.prefix_cache import PrefixCache
+from jaxllm.sampling import SamplingParams
+from serving.metrics import Metrics
+from serving.output import Delta, Done, Error, Finish, Output, TokenLogprob
+from serving.pacer import ChunkPacer
+from serving.protocol import Prepared
+from serving.sessions import SessionStore
+from serving.settings import Settings, SettingsStore
+from serving.tool_calls import FallbackReason, ToolCallDecoder, finish_reason_for
+
+log = logging.getLogger("jaxllm.serve")
+
+
+class EngineLike(Protocol):
+    """What the scheduler needs of `jaxllm.engine.Engine`."""
+
+    layout: Any
+    free_pages: list[int]
+    free_slots: list[int]
+    seqs: dict[int, Any]
+
+    @property
+    def max_context(self) -> int: ...
+    def pages_needed(self, n_positions: int) -> int: ...
+    def can_admit(self, n_positions: int) -> bool: ...
+    def add(self, prompt: list[int], params: SamplingParams, *, checkpoint: Any = None, cached_tokens: int = 0) -> Any: ...
+    def remove(self, seq: Any) -> None: ...
+    def launch(self, *, prefill_budget: int | None = None) -> Any: ...
+    def collect(self, handle: Any) -> list[Any]: ...
+    def extract(self, seq: Any, n_positions: int | None = None) -> Any: ...
+
+
+class TokenizerLike(Protocol):
+    eos_ids: frozenset[int]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def detokenizer(self, skip_special_tokens: bool = True) -> Any: ...
+    def id_to_piece(self, token_id: int) -> str: ...
+
+
+class CompileCounter:
+    """Counts XLA compilations (jax.monitoring), so paced timings skip rounds that compiled."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        try:
+            import jax.monitoring
+
+            jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        except Exception:  # noqa: BLE001 - fake engines in tests run without jax monitoring
+            pass
+
+    def _on_event(self, event: str, duration: float, **_: Any) -> None:
+        if "backend_compile" in event:
+            self.count += 1
+
+
+@dataclasses.dataclass
+class Job:
+    """A prepared request on its way through the worker."""
+
+    id: str
+    prepared: Prepared
+    settings: Settings
+    output: Output
+    reservation: int
+    pages: int
+    arrived: float
+    session_id: str | None = None
+    session_messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    params: SamplingParams
+    seq: Any = None
+    detok: Any = None
+    tools: ToolCallDecoder | None = None
+    raw: str = ""  # decoded text (stop strings not yet cut)
+    published: int = 0  # chars of `raw` passed on (to the tool decoder / client)
+    content: str = ""  # visible content published
+    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    stop_at: int | None = None  # stop-string match position in `raw`
+    model_reason: str | None = None
+    finished: bool = False
+
+
+@dataclasses.dataclass
+class Active:
+    job: Job
+    choices: list[Choice]
+    admitted: float
+    cached_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    failed: bool = False
+
+    @property
+    def phase(self) -> str:
+        return "decode" if all(c.seq is None or c.seq.prefilled >= len(c.seq.prompt) for c in self.choices) else "prefill"
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(c.generated) for c in self.choices)
+
+
+def reservation_bytes(prepared: Prepared, bytes_per_page: int, pages: int, vocab: int, settings: Settings,
+                      body_bytes: int) -> int:
+    """What the whole request can need: KV pages for prompt + max_tokens, sampler workspace,
+    token copies and message copies (the request body twice, the response budget)."""
+    context = len(prepared.prompt) + prepared.max_tokens
+    per_choice = pages * bytes_per_page + vocab * 24 + context * 16
+    return prepared.n * per_choice + 2 * body_bytes + settings.limits.response_bytes
+
+
+def _holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+class Scheduler:
+    """Owns the engine on one thread; see the module docstring."""
+
+    def __init__(self, engine: EngineLike, tokenizer: TokenizerLike, settings: SettingsStore, metrics: Metrics,
+                 sessions: SessionStore, *, bytes_per_page: int, vocab: int, cache_options: bytes = b"",
+                 clock: Callable[[], float] = time.perf_counter, on_death: Callable[[BaseException], None] | None = None,
+                 warmup: Callable[[], None] | None = None):
+        self.engine = engine
+        self.tok = tokenizer
+        self.settings = settings
+        self.metrics = metrics
+        self.sessions = sessions
+        self.bytes_per_page = bytes_per_page
+        self.vocab = vocab
+        self.cache_options = cache_options
+        self.clock = clock
+        self.on_death = on_death
+        self.warmup = warmup
+        lim = settings.current.limits
+        self.cache: PrefixCache = PrefixCache(lim.prefix_cache_mib << 20, lim.prefix_cache_ttl_seconds, clock=clock)
+        self.pacer = ChunkPacer(lim.prefill_quantum, lim.prefill_chunk_seconds)
+        self.compiles = CompileCounter()
+        self.inbox: queue.Queue[Job | None] = queue.Queue()
+        self.pending: list[Job] = []
+        self.active: list[Active] = []
+        self.by_seq: dict[int, tuple[Active, Choice]] = {}
+        self.reserved = 0
+        self.totals = dict(queued=0, admitted=0, finished=0, failed=0, rejected=0, cancelled=0, cancelled_queued=0,
+                           prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0,
+                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0)
+        self.ready = False
+        self.dead: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_housekeeping = 0.0
+        self._generation = settings.current.generation
+
+    # ---- thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="jaxllm-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        self.totals["queued"] += 1
+        self.inbox.put(job)
+
+    def _main(self) -> None:
+        try:
+            if self.warmup is not None:
+                self.warmup()
+            self.ready = True
+            self.publish()
+            while not self._stop.is_set():
+                self.run_once(block=True)
+            self._shutdown()
+        except BaseException as e:  # noqa: BLE001 - the worker never dies silently
+            self.dead = e
+            self.ready = False
+            log.critical("worker thread died: %s\n%s", e, traceback.format_exc())
+            self.publish()
+            self._shutdown(f"worker died: {e}")
+            if self.on_death is not None:
+                self.on_death(e)
+
+    def _shutdown(self, reason: str = "server is stopping") -> None:
+        for job in self.pending:
+            job.output.add(Error(503, reason))
+            job.output.flush()
+        self.pending.clear()
+        for a in list(self.active):
+            a.job.output.add(Error(503, reason))
+            a.job.output.flush()
+        self.active.clear()
+
+    # ---- one iteration ---------------------------------------------------------------
+    def run_once(self, *, block: bool = False) -> None:
+        """Intake, cancellations, admission, one round, frames, housekeeping."""
+        idle = not self.pending and not self.active
+        self._intake(block=block and idle)
+        self._reap_cancelled()
+        self._admit()
+        if self.active:
+            self._round()
+        for a in self.active:
+            a.job.output.flush()
+        now = self.clock()
+        if now - self._last_housekeeping >= 1.0:
+            self._housekeeping()
+            self._last_housekeeping = now
+        self.publish()
+
+    def _intake(self, *, block: bool) -> None:
+        try:
+            if block:
+                job = self.inbox.get(timeout=1.0)
+                if job is not None:
+                    self.pending.append(job)
+            while True:
+                job = self.inbox.get_nowait()
+                if job is not None:
+                    self.pending.append(job)
+        except queue.Empty:
+            pass
+
+    def _reap_cancelled(self) -> None:
+        keep = []
+        for job in self.pending:
+            if job.output.cancelled:
+                # The client left before admission: it never touches the device (499).
+                self.totals["cancelled_queued"] += 1
+                self.metrics.count_outcome("cancelled_before_admission")
+                self.metrics.count_http_error(499)
+                log.info("serve %s: 499 client went away before admission", job.id)
+                job.output.add(Error(499, "request cancelled before admission"))
+                job.output.flush()
+            else:
+                keep.append(job)
+        self.pending = keep
+        for a in list(self.active):
+            if a.job.output.cancelled:
+                self._release(a)
+                self.totals["cancelled"] += 1
+                self.metrics.count_outcome("cancelled")
+
+    # ---- admission ---------------------------------------------------------------------
+    def _fits(self, job: Job) -> bool:
+        lim = job.settings.limits
+        if len(self.active) >= lim.active_requests:
+            return False
+        if self.reserved + job.reservation > job.settings.budget_bytes:
+            return False
+        return len(self.engine.free_slots) >= job.prepared.n and len(self.engine.free_pages) >= job.pages * job.prepared.n
+
+    def _admit(self) -> None:
+        now = self.clock()
+        waiting: list[Job] = []
+        blocked = False
+        for i, job in enumerate(self.pending):
+            if blocked or not self._fits(job):
+                waiting.append(job)
+                # The oldest request may be passed by smaller ones only for a bounded time.
+                if i == 0 and now - job.arrived > job.settings.limits.starvation_seconds:
+                    blocked = True
+                continue
+            self._start(job)
+        self.pending = waiting
+
+    def _start(self, job: Job) -> None:
+        p = job.prepared
+        cached, ckpt = self.cache.lookup(p.prompt, self.cache_options)
+        active = Active(job=job, choices=[], admitted=self.clock(), cached_tokens=cached)
+        try:
+            for i, params in enumerate(p.params):
+                c = Choice(index=i, params=params, detok=self.tok.detokenizer(p.skip_special_tokens))
+                if p.tools is not None:
+                    c.tools = ToolCallDecoder(p.tools)
+                c.seq = self.engine.add(p.prompt, params, checkpoint=ckpt, cached_tokens=cached if ckpt is not None else 0)
+                active.choices.append(c)
+                self.by_seq[c.seq.id] = (active, c)
+        except Exception as e:  # noqa: BLE001 - engine validation: fail this request only
+            for c in active.choices:
+                self.engine.remove(c.seq)
+                self.by_seq.pop(c.seq.id, None)
+            self.totals["failed"] += 1
+            self.metrics.count_outcome("failed")
+            job.output.add(Error(400 if isinstance(e, ValueError) else 500, str(e)))
+            job.output.flush()
+            return
+        self.reserved += job.reservation
+        self.active.append(active)
+        self.totals["admitted"] += 1
+        self.totals["prompt_tokens"] += len(p.prompt)
+        self.totals["cached_tokens"] += cached
+        self.metrics.prompt_tokens.inc(len(p.prompt))
+        self.metrics.cached_tokens.inc(cached)
+
+    def _release(self, a: Active) -> None:
+        for c in a.choices:
+            if c.seq is not None:
+                self.engine.remove(c.seq)
+                self.by_seq.pop(c.seq.id, None)
+        self.reserved -= a.job.reservation
+        self.active.remove(a)
+        a.job.output.flush()
+
+    # ---- rounds ----------------------------------------------------------------------
+    def _prefill_target(self) -> tuple[Any, Active | None]:
+        prefilling = [s for s in self.engine.seqs.values() if s.prefilled < len(s.prompt)]
+        if not prefilling:
+            return None, None
+        seq = min(prefilling, key=lambda s: s.id)
+        owner = self.by_seq.get(seq.id)
+        return seq, owner[0] if owner else None
+
+    def _round(self) -> None:
+        seq, owner = self._prefill_target()
+        budget = None
+        boundary = None
+        if seq is not None:
+            contended = len(self.active) > 1 or bool(self.pending)
+            budget = self.pacer.tokens(contended)
+            if owner is not None:
+                lim = owner.job.settings.limits
+                ends = owner.job.prepared.boundaries + [len(seq.prompt)]
+                nxt = [b for b in ends if b > seq.prefilled and b >= lim.prefix_cache_min_tokens]
+                if nxt and nxt[0] - seq.prefilled <= budget:
+                    boundary = nxt[0]
+                    budget = boundary - seq.prefilled
+        in_round = [self.by_seq[s.id] for s in self.engine.seqs.values() if s.id in self.by_seq]
+        compiles = self.compiles.count
+        started = self.clock()
+        try:
+            handle = self.engine.launch(prefill_budget=budget)
+            if handle is None:
+                return
+            if boundary is not None and seq.prefilled == boundary:
+                self._checkpoint(seq, boundary)
+            events = self.engine.collect(handle)
+        except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
+            self.totals["failed_rounds"] += 1
+            self.metrics.round_failures.inc()
+            log.error("round failed: %s\n%s", e, traceback.format_exc())
+            for a in {id(a): a for a, _ in in_round}.values():
+                if a in self.active:
+                    self._fail(a, f"internal error in the model step: {e}", 500)
+            return
+        elapsed = self.clock() - started
+        self.totals["rounds"] += 1
+        prefill_tokens = getattr(handle, "prefill_tokens", 0)
+        if prefill_tokens:
+            if self.compiles.count == compiles:
+                self.pacer.observe(prefill_tokens, elapsed)
+            self.totals["prefill_seconds"] += elapsed
+            self.metrics.prefill_seconds.inc(elapsed)
+            if owner is not None:
+                owner.prefill_seconds += elapsed
+        else:
+            self.totals["decode_seconds"] += elapsed
+            self.metrics.decode_seconds.inc(elapsed)
+        decoding = {id(a): a for a, c in in_round if c.seq is not None and c.seq.prefilled >= len(c.seq.prompt)}
+        for a in decoding.values():
+            if a is not owner or not prefill_tokens:
+                a.decode_seconds += elapsed
+        for ev in events:
+            entry = self.by_seq.get(ev.seq_id)
+            if entry is None:  # removed (cancelled) after launch
+                continue
+            a, c = entry
+            if a.failed or a not in self.active:
+                continue
+            self._on_tokens(a, c, ev)
+        for a in list(self.active):
+            if not a.failed and all(c.finished for c in a.choices):
+                self._complete(a)
+
+    def _checkpoint(self, seq: Any, length: int) -> None:
+        if self.cache.contains(seq.prompt[:length], self.cache_options):
+            return
+        ckpt = self.engine.extract(seq, length)
+        if length == len(seq.prompt) and hasattr(ckpt, "replace"):
+            # The last chunk also sampled the first token; a prefix must look unsampled.
+            import jax.numpy as jnp
+
+            ckpt = ckpt.replace(n_generated=jnp.zeros_like(ckpt.n_generated), done=jnp.zeros_like(ckpt.done),
+                                out_counts=jnp.zeros_like(ckpt.out_counts))
+        self.cache.put(seq.prompt[:length], ckpt, self.cache_options)
+
+    # ---- tokens -> text -> frames ------------------------------------------------------
+    def _on_tokens(self, a: Active, c: Choice, ev: Any) -> None:
+        p = a.job.prepared
+        tokens = list(ev.tokens)
+        c.generated.extend(tokens)
+        self.totals["generated_tokens"] += len(tokens)
+        self.metrics.generated_tokens.inc(len(tokens))
+        if ev.finish_reason is not None:
+            c.model_reason = ev.finish_reason
+        text_tokens = tokens[:-1] if ev.finish_reason == "stop" else tokens
+        items: list[TokenLogprob] = []
+        if p.logprobs:
+            for i, t in enumerate(tokens):
+                tops = [(self.tok.id_to_piece(tid), lp) for tid, lp in (ev.top_logprobs[i] if i < len(ev.top_logprobs) else [])]
+                items.append((self.tok.id_to_piece(t), ev.logprobs[i], tops))
+            c.logprobs.extend(items)
+        for t in text_tokens:
+            if c.stop_at is not None:
+                break
+            c.raw += c.detok.feed(t)
+        if ev.finish_reason is not None and c.stop_at is None:
+            c.raw += c.detok.flush()
+        try:
+            self._advance_text(a, c, final=ev.finish_reason is not None, logprobs=tuple(items))
+        except _ResponseTooLarge as e:
+            self._fail(a, str(e), 400)
+            return
+        if c.stop_at is not None or ev.finish_reason is not None:
+            self._finish_choice(a, c)
+
+    def _advance_text(self, a: Active, c: Choice, *, final: bool, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        p = a.job.prepared
+        if len(c.raw.encode()) > a.job.settings.limits.response_bytes:
+            raise _ResponseTooLarge("the response exceeds response_bytes; lower max_tokens")
+        if p.stop and c.stop_at is None:
+            longest = max(len(s) for s in p.stop)
+            c.stop_at = _find_stop(c.raw, p.stop, max(0, c.published - longest))
+        if c.stop_at is not None:
+            end = c.stop_at
+        elif final:
+            end = len(c.raw)
+        else:
+            end = len(c.raw) - _holdback(c.raw, p.stop)
+        piece = c.raw[c.published:end] if end > c.published else ""
+        c.published = max(c.published, end)
+        self._publish(a, c, piece, logprobs)
+
+    def _publish(self, a: Active, c: Choice, piece: str, logprobs: tuple[TokenLogprob, ...] = (), calls: tuple = ()) -> None:
+        deltas = list(calls)
+        if c.tools is not None and piece:
+            ev = c.tools.feed(piece)
+            piece = ev.content
+            deltas.extend(ev.tool_calls)
+        c.content += piece
+        if piece or deltas or logprobs:
+            a.job.output.add(Delta(c.index, piece, tuple(d.to_openai() for d in deltas), logprobs))
+
+    def _finish_choice(self, a: Active, c: Choice) -> None:
+        p = a.job.prepared
+        if c.seq is not None:
+            self.engine.remove(c.seq)
+        c.finished = True
+        reason = "stop" if c.stop_at is not None else (c.model_reason or "length")
+        # Reconcile the streamed text against one decode of the generated ids.
+        ids = c.generated[:-1] if c.model_reason == "stop" and c.stop_at is None else c.generated
+        expected = self.tok.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        if p.stop:
+            cut = _find_stop(expected, p.stop, 0)
+            expected = expected if cut is None else expected[:cut]
+        streamed = c.raw if c.stop_at is None else c.raw[: c.stop_at]
+        if c.stop_at is not None and not expected.startswith(streamed) or c.stop_at is None and streamed != expected:
+            self.totals["reconcile_errors"] += 1
+            self.metrics.reconcile_errors.inc()
+            log.error("serve %s: streamed text differs from the final decode (%r vs %r)", a.job.id, streamed[-40:], expected[-40:])
+            self._fail(a, "streamed text differs from the final decode", 500)
+            return
+        calls: list[dict[str, Any]] = []
+        if c.tools is not None:
+            term = c.tools.finish()
+            c.content += term.content_tail
+            if term.content_tail or term.tool_call_deltas:
+                a.job.output.add(Delta(c.index, term.content_tail, tuple(d.to_openai() for d in term.tool_call_deltas)))
+            calls = [{"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
+                     for tc in term.tool_calls]
+            d = term.diagnostics
+            if d.fallback_reason != FallbackReason.NONE:
+                self.metrics.tool_fallbacks.labels(reason=d.fallback_reason.value).inc()
+                log.info("serve %s: tool calls %dx (recovered: %s)", a.job.id, len(calls), d.fallback_reason.value)
+            if d.schema_mismatch_arguments or d.empty_arguments_omitted:
+                self.metrics.tool_schema_mismatches.inc(d.schema_mismatch_arguments)
+                self.metrics.tool_empty_arguments.inc(d.empty_arguments_omitted)
+                log.info("serve %s: tool calls %dx (%d schema mismatches, %d empty arguments omitted)", a.job.id,
+                         len(calls), d.schema_mismatch_arguments, d.empty_arguments_omitted)
+            reason = finish_reason_for(reason, bool(calls))
+        c.tool_calls = calls
+        a.job.output.add(Finish(c.index, reason, c.content, tuple(calls), tuple(c.logprobs)))
+
+    def _complete(self, a: Active) -> None:
+        p = a.job.prepared
+        completion = a.generated_tokens
+        usage = {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
+                 "total_tokens": len(p.prompt) + completion,
+                 "prompt_tokens_details": {"cached_tokens": a.cached_tokens}}
+        if a.job.session_id is not None:
+            c = a.choices[0]
+            reply: dict[str, Any] = {"role": "assistant", "content": c.content or (None if c.tool_calls else "")}
+            if c.tool_calls:
+                reply["tool_calls"] = c.tool_calls
+            self.sessions.add_turn(a.job.session_id, a.job.session_messages, reply,
+                                   {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
+                                    "cached_tokens": a.cached_tokens}, rng_used=not p.seed_given)
+        a.job.output.add(Done(usage, a.job.session_id))
+        self._report(a)  # before release: KV fullness includes this request
+        self._release(a)
+        self.totals["finished"] += 1
+        self.metrics.count_outcome("finished")
+
+    def _fail(self, a: Active, message: str, status: int = 500) -> None:
+        a.failed = True
+        a.job.output.add(Error(status, message))
+        a.job.output.flush()
+        if a in self.active:
+            self._release(a)
+        self.totals["failed"] += 1
+        self.metrics.count_outcome("failed")
+
+    def _report(self, a: Active) -> None:
+        p = a.job.prepared
+        prefill = len(p.prompt) - a.cached_tokens
+        decode = a.generated_tokens
+        layout = self.engine.layout
+        used = layout.n_pages - 1 - len(self.engine.free_pages)
+        ctx = max((c.seq.length if c.seq is not None else 0) for c in a.choices)
+        log.info(
+            "serve %s: prefill %d tok (%d cached) in %.2fs (%.0f tok/s) | decode %d tok in %.2fs (%.1f tok/s) "
+            "| ctx %d/%d (%.0f%% full) | kv cache %d/%d pages (%.0f%% full)",
+            a.job.id, prefill, a.cached_tokens, a.prefill_seconds, prefill / max(a.prefill_seconds, 1e-9), decode,
+            a.decode_seconds, decode / max(a.decode_seconds, 1e-9), ctx, self.engine.max_context,
+            100 * ctx / max(self.engine.max_context, 1), used, layout.n_pages - 1, 100 * used / max(layout.n_pages - 1, 1),
+        )
+
+    # ---- housekeeping and the published snapshot ---------------------------------------
+    def _housekeeping(self) -> None:
+        s = self.settings.current
+        if s.generation != self._generation:
+            self._generation = s.generation
+            self.pacer.configure(s.limits.prefill_quantum, s.limits.prefill_chunk_seconds)
+            self.cache.max_bytes = s.limits.prefix_cache_mib << 20
+            self.cache.ttl = s.limits.prefix_cache_ttl_seconds
+            self.sessions.ttl = s.limits.session_ttl_seconds
+        self.cache.expire()
+        self.sessions.expire()
+
+    def publish(self) -> None:
+        """Swaps in a fresh host snapshot for /v1/state and the gauges."""
+        layout = self.engine.layout
+        live = {id(s) for s in self.engine.seqs.values()}
+        reserved_pages = sum(len(c.seq.pages) for a in self.active for c in a.choices if id(c.seq) in live)
+        pages_in_use = layout.n_pages - 1 - len(self.engine.free_pages)
+        cs = dataclasses.asdict(self.cache.stats)
+        sess = self.sessions.stats()
+        m = self.metrics
+        m.queued.set(len(self.pending))
+        m.active.set(len(self.active))
+        m.reserved_bytes.set(self.reserved)
+        m.reserved_pages.set(reserved_pages)
+        m.prefix_cache_bytes.set(cs["bytes"])
+        m.prefix_cache_entries.set(cs["entries"])
+        m.sessions.set(sess["active"])
+        m.prefill_chunk.set(self.pacer.last)
+        m.state = {
+            "ready": self.ready,
+            "dead": None if self.dead is None else str(self.dead),
+            "settings_generation": self.settings.current.generation,
+            "queued_requests": len(self.pending) + self.inbox.qsize(),
+            "active_requests": len(self.active),
+            "requests": dict(self.totals),
+            "reserved_state_bytes": self.reserved,
+            "state_budget_bytes": self.settings.current.budget_bytes,
+            "reserved_pages": reserved_pages,
+            "pages_in_use": pages_in_use,
+            "pages_total": layout.n_pages - 1,
+            "free_slots": len(self.engine.free_slots),
+            "prefill_chunk_tokens": self.pacer.last,
+            "prefill_rate_tokens_per_s": self.pacer.rate,
+            "active": [
+                {"id": a.job.id, "phase": a.phase, "session": a.job.session_id, "n": a.job.prepared.n,
+                 "generation": a.job.settings.generation, "reserved_state_bytes": a.job.reservation,
+                 "usage": {"prompt_tokens": len(a.job.prepared.prompt), "cached_tokens": a.cached_tokens,
+                           "generated_tokens": a.generated_tokens},
+                 "prefill_seconds": a.prefill_seconds, "decode_seconds": a.decode_seconds}
+                for a in self.active
+            ],
+            "prefix_cache": cs,
+            "sessions": sess,
+            "compilations": self.compiles.count,
+        }
+
+
+class _ResponseTooLarge(Exception):
+    pass
+
+
+def warmup_engine(engine: Any, *, vocab: int) -> int:
+    """Compiles every shape bucket by running throwaway sequences; returns rounds run.
+
+    Covers `step` at every (chunk bucket, context bucket) a prefill reaches, the multi-step
+    decode at every context bucket, and extract/insert at every page bucket.
+    """
+    from jaxllm.state import pages_bucket
+
+    layout = engine.layout
+    cfg = engine.config
+    max_pages = layout.max_pages_per_seq
+    n_steps = cfg.decode_steps_per_call
+    rounds = 0
+    greedy = dict(temperature=0.0, ignore_eos=True)
+
+    def run(seq: Any, budget: int | None = None) -> None:
+        nonlocal rounds
+        while seq.finish_reason is None:
+            engine.step(prefill_budget=budget)
+            rounds += 1
+
+    longest = engine.max_context - 2
+    for c in cfg.chunk_buckets:
+        prompt = [int(x) for x in (np.arange(longest) % max(vocab - 1, 1)) + 1]
+        seq = engine.add(prompt, SamplingParams(max_tokens=2, **greedy))
+        run(seq, c)
+        engine.remove(seq)
+    buckets = sorted({pages_bucket(max(p, cfg.min_ctx_pages), max_pages) for p in range(1, max_pages + 1)})
+    for k in buckets:
+        length = max(2, min(k * layout.page_size - n_steps - 2, engine.max_context - n_steps - 2))
+        prompt = [int(x) for x in (np.arange(length) % max(vocab - 1, 1)) + 1]
+        seq = engine.add(prompt, SamplingParams(max_tokens=n_steps + 1, **greedy))
+        run(seq)
+        ckpt = engine.extract(seq, length - 1)
+        engine.remove(seq)
+        seq = engine.add(prompt, SamplingParams(max_tokens=1, **greedy), checkpoint=ckpt, cached_tokens=length - 1)
+        run(seq)
+        engine.remove(seq)
+    return rounds

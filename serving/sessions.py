@@ -1,0 +1,114 @@
+"""Sessions: a conversation kept by the server (history as published, sampler rng, usage).
+
+Ids are random 128-bit hex strings chosen by the server. A session is bound to a hash of
+the API key that created it; a request with another key sees 404. Sessions expire after
+`ttl` idle seconds. Shared by handlers and the worker, so every method takes the lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _key_hash(api_key: str | None) -> str:
+    return hashlib.sha256((api_key or "").encode()).hexdigest()
+
+
+def next_rng(rng: int) -> int:
+    """SplitMix-style step: the seed of a session's next turn."""
+    z = (rng + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class Session:
+    id: str
+    owner: str
+    rng: int
+    created: float
+    used_at: float
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    usage: dict[str, int] = dataclasses.field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0})
+    turns: int = 0
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "session", "created": int(self.created), "turns": self.turns,
+                "messages": list(self.messages), "usage": dict(self.usage)}
+
+
+class SessionStore:
+    def __init__(self, ttl: float, *, clock: Callable[[], float] = time.monotonic):
+        self.ttl = ttl
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self.expired = 0
+        self.created = 0
+
+    def create(self, api_key: str | None) -> Session:
+        now = self.clock()
+        s = Session(id=secrets.token_hex(16), owner=_key_hash(api_key), rng=secrets.randbits(32), created=time.time(), used_at=now)
+        with self._lock:
+            self._sessions[s.id] = s
+            self.created += 1
+        return s
+
+    def get(self, session_id: str, api_key: str | None) -> Session | None:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.owner != _key_hash(api_key) or self.clock() - s.used_at > self.ttl:
+                return None
+            s.used_at = self.clock()
+            return s
+
+    def snapshot(self, session_id: str, api_key: str | None) -> tuple[list[dict[str, Any]], int] | None:
+        """(history copy, rng) for preparing a turn."""
+        s = self.get(session_id, api_key)
+        if s is None:
+            return None
+        with self._lock:
+            return [dict(m) for m in s.messages], s.rng
+
+    def delete(self, session_id: str, api_key: str | None) -> bool:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.owner != _key_hash(api_key):
+                return False
+            del self._sessions[session_id]
+            return True
+
+    def add_turn(self, session_id: str, new_messages: list[dict[str, Any]], reply: dict[str, Any],
+                 usage: dict[str, int], rng_used: bool) -> None:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                return
+            s.messages.extend(dict(m) for m in new_messages)
+            s.messages.append(reply)
+            for k in s.usage:
+                s.usage[k] += usage.get(k, 0)
+            if rng_used:
+                s.rng = next_rng(s.rng)
+            s.turns += 1
+            s.used_at = self.clock()
+
+    def expire(self) -> int:
+        now = self.clock()
+        with self._lock:
+            old = [k for k, s in self._sessions.items() if now - s.used_at > self.ttl]
+            for k in old:
+                del self._sessions[k]
+            self.expired += len(old)
+            return len(old)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"active": len(self._sessions), "created": self.created, "expired": self.expired}

@@ -1,0 +1,125 @@
+"""Server settings from `configs/server.toml`: limits, sampling defaults, engine shapes.
+
+`SettingsStore.reload()` re-reads the file and bumps a generation; a request keeps the
+`Settings` object it arrived with, so a reload never changes a request midway. The
+`[engine]` table is baked into compiled shapes: a reload that changes it is refused for
+those fields (they keep their value) and the reload result says they need a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import tomllib
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    active_requests: int = 8
+    active_state_mib: int = 1024
+    request_bytes: int = 1 << 20
+    response_bytes: int = 1 << 20
+    max_output_tokens: int = 4096
+    prefill_quantum: int = 512
+    prefill_chunk_seconds: float = 0.05
+    starvation_seconds: float = 2.0
+    prefix_cache_mib: int = 256
+    prefix_cache_ttl_seconds: float = 600.0
+    prefix_cache_min_tokens: int = 16
+    session_ttl_seconds: float = 1800.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Defaults:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    tool_call_format: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineShape:
+    """Settings baked into compiled shapes (restart to change)."""
+
+    max_slots: int = 8
+    kv_mib: int = 256
+    max_seq_len: int = 2048
+    page_size: int = 16
+    chunk_buckets: tuple[int, ...] = (32, 128, 512)
+    decode_steps_per_call: int = 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    limits: Limits = Limits()
+    defaults: Defaults = Defaults()
+    engine: EngineShape = EngineShape()
+    generation: int = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.limits.active_state_mib << 20
+
+
+def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(table) - names
+    if unknown:
+        raise ValueError(f"unknown setting(s) in [{where}]: {', '.join(sorted(unknown))}")
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    return cls(**kw)
+
+
+def parse_settings(data: dict[str, Any], generation: int = 0) -> Settings:
+    """Builds Settings from a parsed TOML document; raises ValueError on unknown keys."""
+    unknown = set(data) - {"limits", "defaults", "engine"}
+    if unknown:
+        raise ValueError(f"unknown settings table(s): {', '.join(sorted(unknown))}")
+    return Settings(
+        limits=_build(Limits, data.get("limits", {}), "limits"),
+        defaults=_build(Defaults, data.get("defaults", {}), "defaults"),
+        engine=_build(EngineShape, data.get("engine", {}), "engine"),
+        generation=generation,
+    )
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    if path is None:
+        return Settings()
+    with open(path, "rb") as f:
+        return parse_settings(tomllib.load(f))
+
+
+class SettingsStore:
+    """The current settings and their generation; `reload` is safe from any thread."""
+
+    def __init__(self, settings: Settings, path: str | Path | None = None):
+        self._path = path
+        self._lock = threading.Lock()
+        self.current = settings
+
+    def reload(self) -> dict[str, Any]:
+        """Re-reads the file; returns {generation, changed, needs_restart}."""
+        with self._lock:
+            old = self.current
+            if self._path is None:
+                new = dataclasses.replace(old, generation=old.generation + 1)
+            else:
+                with open(self._path, "rb") as f:
+                    new = parse_settings(tomllib.load(f), old.generation + 1)
+            needs_restart = [
+                f"engine.{f.name}"
+                for f in dataclasses.fields(EngineShape)
+                if getattr(new.engine, f.name) != getattr(old.engine, f.name)
+            ]
+            changed = [
+                f"{table}.{f.name}"
+                for table in ("limits", "defaults")
+                for f in dataclasses.fields(getattr(old, table))
+                if getattr(getattr(new, table), f.name) != getattr(getattr(old, table), f.name)
+            ]
+            self.current = dataclasses.replace(new, engine=old.engine)
+            return {"generation": self.current.generation, "changed": changed, "needs_restart": needs_restart}
