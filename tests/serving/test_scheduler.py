@@ -1,0 +1,318 @@
+"""Scheduler policy with a fake engine whose outputs can be worked out by hand.
+
+The fake engine emits token `100 + position` for every decoding sequence each round and
+prefills at most `prefill_budget` prompt tokens of the oldest prefilling sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from jaxllm.prefix_cache import PrefixCache
+from jaxllm.sampling import SamplingParams
+from serving.metrics import Metrics
+from serving.output import Delta, Done, Error, Finish, Output
+from serving.pacer import ChunkPacer
+from serving.protocol import Prepared
+from serving.scheduler import Job, Scheduler
+from serving.sessions import SessionStore
+from serving.settings import Limits, Settings, SettingsStore
+
+
+@dataclasses.dataclass
+class FakeSeq:
+    id: int
+    slot: int
+    prompt: list[int]
+    params: SamplingParams
+    pages: list[int]
+    prefilled: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+
+class FakeEngine:
+    def __init__(self, slots: int = 4, pages: int = 64, page_size: int = 4):
+        self.layout = SimpleNamespace(max_slots=slots, n_pages=pages + 1, page_size=page_size)
+        self.free_slots = list(range(slots))
+        self.free_pages = list(range(pages, 0, -1))
+        self.seqs: dict[int, FakeSeq] = {}
+        self.next_id = 0
+        self.added: list[list[int]] = []
+        self.budgets: list[int | None] = []
+        self.fail_next = False
+
+    max_context = 1000
+
+    def pages_needed(self, n: int) -> int:
+        return -(-n // self.layout.page_size)
+
+    def can_admit(self, n: int) -> bool:
+        return bool(self.free_slots) and self.pages_needed(n) <= len(self.free_pages)
+
+    def add(self, prompt, params, *, checkpoint=None, cached_tokens=0):
+        slot = self.free_slots.pop(0)
+        pages = [self.free_pages.pop() for _ in range(self.pages_needed(len(prompt) + params.max_tokens))]
+        seq = FakeSeq(self.next_id, slot, list(prompt), params, pages, prefilled=cached_tokens if checkpoint else 0)
+        self.next_id += 1
+        self.seqs[slot] = seq
+        self.added.append(list(prompt))
+        return seq
+
+    def remove(self, seq):
+        if self.seqs.get(seq.slot) is seq:
+            del self.seqs[seq.slot]
+            self.free_pages.extend(seq.pages)
+            self.free_slots.append(seq.slot)
+
+    def extract(self, seq, n):
+        return SimpleNamespace(nbytes=lambda: 10, n=n)
+
+    def launch(self, *, prefill_budget=None):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        self.budgets.append(prefill_budget)
+        decoding = [s for s in self.seqs.values() if s.prefilled >= len(s.prompt) and s.finish_reason is None]
+        prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
+        if not decoding and not prefilling:
+            return None
+        n = 0
+        if prefilling:
+            s = min(prefilling, key=lambda s: s.id)
+            n = min(prefill_budget or 8, len(s.prompt) - s.prefilled)
+            s.prefilled += n
+            if s.prefilled == len(s.prompt):
+                decoding.append(s)
+        return SimpleNamespace(prefill_tokens=n, decoding=decoding)
+
+    def collect(self, handle):
+        events = []
+        for s in handle.decoding:
+            t = 100 + s.length
+            s.generated.append(t)
+            reason = "length" if len(s.generated) >= s.params.max_tokens else None
+            s.finish_reason = reason
+            events.append(SimpleNamespace(seq_id=s.id, tokens=[t], logprobs=[0.0], top_logprobs=[[]], finish_reason=reason))
+        return events
+
+
+class FakeDetok:
+    def __init__(self):
+        self.ids = []
+
+    def feed(self, t):
+        self.ids.append(t)
+        return f"<{t}>"
+
+    def flush(self):
+        return ""
+
+
+class FakeTok:
+    eos_ids = frozenset({2})
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in ids if t not in self.eos_ids)
+
+    def detokenizer(self, skip_special_tokens=True):
+        return FakeDetok()
+
+    def id_to_piece(self, t):
+        return f"<{t}>"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def make(limits: Limits, engine: FakeEngine | None = None):
+    engine = engine or FakeEngine()
+    clock = Clock()
+    store = SettingsStore(Settings(limits=limits))
+    sched = Scheduler(engine, FakeTok(), store, Metrics(), SessionStore(60), bytes_per_page=1, vocab=1000, clock=clock)
+    return sched, engine, clock
+
+
+def job(sched, loop, name: str, prompt_len: int = 4, max_tokens: int = 3, reservation: int = 10, stop=()):
+    prepared = Prepared(kind="completion", model="m", prompt=list(range(10, 10 + prompt_len)), boundaries=[],
+                        params=[SamplingParams(max_tokens=max_tokens)], stop=stop)
+    j = Job(id=name, prepared=prepared, settings=sched.settings.current, output=Output(loop), reservation=reservation,
+            pages=-(-(prompt_len + max_tokens) // 4), arrived=sched.clock())
+    sched.submit(j)
+    return j
+
+
+def frames(loop, j) -> list:
+    loop.run_until_complete(asyncio.sleep(0))
+    out = []
+    while not j.output._queue.empty():
+        out.extend(j.output._queue.get_nowait())
+    return out
+
+
+def run_until_idle(sched, limit=100):
+    for _ in range(limit):
+        sched.run_once()
+        if not sched.active and not sched.pending and sched.inbox.empty():
+            return
+    raise AssertionError("scheduler did not go idle")
+
+
+def test_tokens_and_usage_worked_out_by_hand(loop):
+    sched, engine, _ = make(Limits())
+    j = job(sched, loop, "a", prompt_len=4, max_tokens=3)
+    run_until_idle(sched)
+    fs = frames(loop, j)
+    text = "".join(f.text for f in fs if isinstance(f, Delta))
+    assert text == "<104><105><106>"  # token 100 + position, positions 4, 5, 6
+    (fin,) = [f for f in fs if isinstance(f, Finish)]
+    assert fin.reason == "length" and fin.text == text
+    assert fs[-1].usage["completion_tokens"] == 3 and fs[-1].usage["prompt_tokens"] == 4
+    assert sched.reserved == 0 and not engine.seqs
+
+
+def test_budget_and_active_cap_admission_order(loop):
+    sched, engine, _ = make(Limits(active_requests=2, active_state_mib=1))
+    budget = 1 << 20
+    jobs = [job(sched, loop, f"r{i}", reservation=budget // 2, max_tokens=50) for i in range(3)]
+    sched.run_once()
+    assert [a.job.id for a in sched.active] == ["r0", "r1"]
+    assert [p.id for p in sched.pending] == ["r2"]
+    assert sched.reserved == budget
+    run_until_idle(sched, 500)
+    assert all(isinstance(frames(loop, j)[-1], Done) for j in jobs)
+    assert sched.reserved == 0
+
+
+def test_smaller_passes_larger_but_not_forever(loop):
+    sched, engine, clock = make(Limits(active_requests=8, active_state_mib=1, starvation_seconds=5))
+    mib = 1 << 20
+    job(sched, loop, "running", reservation=mib // 2, max_tokens=100)
+    sched.run_once()
+    big = job(sched, loop, "big", reservation=mib // 2 + 1)
+    small1 = job(sched, loop, "small1", reservation=10, max_tokens=100)
+    sched.run_once()
+    assert {a.job.id for a in sched.active} == {"running", "small1"}  # small passes big
+    clock.t = 10.0  # big has now waited past the starvation bound
+    small2 = job(sched, loop, "small2", reservation=10)
+    sched.run_once()
+    assert [p.id for p in sched.pending] == ["big", "small2"]  # nobody passes big any more
+    del big, small1, small2
+
+
+def test_cancel_while_queued_never_touches_engine(loop):
+    sched, engine, _ = make(Limits(active_requests=1))
+    first = job(sched, loop, "first", max_tokens=20)
+    sched.run_once()
+    queued = job(sched, loop, "queued")
+    sched.run_once()
+    queued.output.cancel()
+    sched.run_once()
+    (err,) = frames(loop, queued)
+    assert isinstance(err, Error) and err.status == 499
+    assert len(engine.added) == 1 and sched.totals["cancelled_queued"] == 1
+    del first
+
+
+@pytest.mark.parametrize("phase_rounds", [0, 1, 5])
+def test_cancel_in_prefill_or_decode_frees_everything(loop, phase_rounds):
+    sched, engine, _ = make(Limits(prefill_quantum=4))
+    j = job(sched, loop, "c", prompt_len=12, max_tokens=50)
+    for _ in range(1 + phase_rounds):
+        sched.run_once()
+    j.output.cancel()
+    sched.run_once()
+    assert not sched.active and sched.reserved == 0 and not engine.seqs
+    assert len(engine.free_pages) == 64 and sched.totals["cancelled"] == 1
+
+
+def test_failing_round_fails_only_its_requests(loop):
+    sched, engine, _ = make(Limits())
+    a = job(sched, loop, "a")
+    engine.fail_next = True
+    sched.run_once()
+    assert any(isinstance(f, Error) and f.status == 500 for f in frames(loop, a))
+    b = job(sched, loop, "b")
+    run_until_idle(sched)
+    assert isinstance(frames(loop, b)[-1], Done)
+    assert sched.reserved == 0 and not engine.seqs
+
+
+def test_stop_string_is_never_leaked(loop):
+    sched, engine, _ = make(Limits())
+    j = job(sched, loop, "s", prompt_len=4, max_tokens=10, stop=("><106",))
+    run_until_idle(sched)
+    fs = frames(loop, j)
+    streamed = "".join(f.text for f in fs if isinstance(f, Delta))
+    (fin,) = [f for f in fs if isinstance(f, Finish)]
+    assert streamed == fin.text == "<104><105"
+    assert fin.reason == "stop" and not engine.seqs
+
+
+def test_pacing_alone_uses_quantum_and_contended_uses_learned_rate(loop):
+    sched, engine, clock = make(Limits(prefill_quantum=64, prefill_chunk_seconds=0.5))
+    sched.pacer.observe(40, 1.0)  # 40 tok/s -> 20 tokens per 0.5 s chunk
+    job(sched, loop, "alone", prompt_len=100, max_tokens=1)
+    sched.run_once()
+    assert engine.budgets[-1] == 64
+    job(sched, loop, "other", prompt_len=4, max_tokens=1)
+    sched.run_once()
+    assert engine.budgets[-1] == 20
+
+
+def test_pacer_bounds():
+    p = ChunkPacer(512, 0.1, min_chunk=16)
+    assert p.tokens(contended=True) == 512  # nothing learned yet
+    p.observe(1000, 1.0)
+    assert p.tokens(contended=True) == 100
+    assert p.tokens(contended=False) == 512
+    p.observe(1_000_000, 1.0)
+    assert p.tokens(contended=True) == 512
+    p2 = ChunkPacer(512, 0.1, min_chunk=16)
+    p2.observe(10, 1.0)
+    assert p2.tokens(contended=True) == 16
+
+
+class Blob:
+    def __init__(self, n):
+        self.n = n
+
+    def nbytes(self):
+        return self.n
+
+
+def test_prefix_cache_longest_match_lru_ttl():
+    clock = Clock()
+    cache = PrefixCache(100, ttl=10, clock=clock)
+    prompt = list(range(50))
+    cache.put(prompt[:10], Blob(30))
+    cache.put(prompt[:20], Blob(30))
+    cache.put(prompt, Blob(30))  # whole prompt: never returned for the same prompt (len - 1 cap)
+    n, v = cache.lookup(prompt)
+    assert n == 20
+    assert cache.lookup(prompt + [7])[0] == 50
+    assert cache.lookup(prompt, options=b"other")[0] == 0
+    cache.put([9, 9, 9], Blob(30))  # evicts the least recently used (length 10)
+    assert not cache.contains(prompt[:10]) and cache.stats.evictions == 1
+    clock.t = 11
+    assert cache.expire() == 3 and len(cache) == 0 and cache.nbytes == 0
