@@ -1,0 +1,313 @@
+"""The real server on 127.0.0.1 (tiny random llama, SmolLM2 tokenizer) with the openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+import openai
+import pytest
+
+KEY = "test-key"
+CONFIG = """
+[limits]
+active_requests = {active}
+active_state_mib = 64
+request_bytes = 65536
+max_output_tokens = 256
+prefix_cache_min_tokens = 16
+[engine]
+max_slots = 8
+kv_mib = 8
+max_seq_len = 512
+chunk_buckets = [32, 128]
+"""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    config = tmp / "server.toml"
+    config.write_text(CONFIG.format(active=8))
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache/jaxllm/xla"))}
+    log = open(tmp / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.serving.tiny_server", "--port", str(port), "--config", str(config),
+                             "--api-key", KEY], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()
+            try:
+                if requests.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "server never became healthy"
+            time.sleep(0.2)
+    yield dict(base=base, config=config, log=tmp / "server.log", proc=proc)
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+class Http:
+    """requests with a base URL and the API key."""
+
+    def __init__(self, base: str):
+        self.base = base
+        self.s = requests.Session()
+        self.s.headers["authorization"] = f"Bearer {KEY}"
+
+    def get(self, path, **kw):
+        return self.s.get(self.base + path, timeout=60, **kw)
+
+    def post(self, path, **kw):
+        return self.s.post(self.base + path, timeout=60, **kw)
+
+    def delete(self, path, **kw):
+        return self.s.delete(self.base + path, timeout=60, **kw)
+
+
+@pytest.fixture
+def http(server):
+    return Http(server["base"])
+
+
+MSGS = [{"role": "user", "content": "Tell me a short story about a robot."}]
+
+
+def _state(http):
+    return http.get("/v1/state").json()
+
+
+def _wait_idle(http, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _state(http)
+        if s["active_requests"] == 0 and s["queued_requests"] == 0:
+            return s
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+
+
+def test_stream_equals_non_stream_and_usage(client, http):
+    full = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=20, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == full.choices[0].finish_reason
+    ids = http.post("/tokenize", json={"messages": MSGS}).json()["tokens"]
+    assert full.usage.prompt_tokens == len(ids) == chunks[-1].usage.prompt_tokens
+    assert full.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    if full.choices[0].finish_reason == "length":
+        assert full.usage.completion_tokens == 20
+
+
+def test_completions_text_and_token_ids(client, http):
+    a = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    ids = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
+    b = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, logprobs=2)
+    assert a.choices[0].text == b.choices[0].text and a.usage.prompt_tokens == len(ids)
+    assert len(b.choices[0].logprobs.token_logprobs) == b.usage.completion_tokens
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "Once upon a time"
+    streamed = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == a.choices[0].text
+    assert sum(1 for c in streamed if c.choices and c.choices[0].finish_reason) == 1
+
+
+def test_sixteen_concurrent_equal_solo(client):
+    prompts = [f"Request number {i}: list {i % 5 + 2} colours of the rainbow" for i in range(16)]
+
+    def one(p):
+        return client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
+
+    solo = [one(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(one, prompts))
+    assert together == solo
+
+
+def test_request_mid_decode_streams_before_first_finishes(client):
+    long = client.completions.create(model="tiny", prompt="Count to a thousand:", max_tokens=250, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True})
+    it = iter(long)
+    next(it)
+    short = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0, stream=True)
+    first_short = next(iter(short))
+    assert first_short.choices[0].text is not None
+    rest = list(it)  # the long one is still going after the short one's first token
+    assert rest and rest[-1].choices[0].finish_reason == "length"
+
+
+def test_shared_prefix_uses_cache_and_same_output(client):
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    msgs = [system, {"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    again = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+    other = client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": "And Spain?"}],
+                                           max_tokens=4, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_cancel_mid_stream_frees_reservation(client, http):
+    stream = client.completions.create(model="tiny", prompt="Go on forever", max_tokens=250, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    next(it)
+    stream.close()
+    s = _wait_idle(http)
+    assert s["reserved_state_bytes"] == 0 and s["pages_in_use"] == 0 and s["reserved_pages"] == 0
+    assert s["requests"]["cancelled"] >= 1
+
+
+def test_pages_in_use_equal_reservations(client, http):
+    stream = client.completions.create(model="tiny", prompt="Keep going", max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    s = _state(http)
+    assert s["active_requests"] == 1 and s["pages_in_use"] == s["reserved_pages"] > 0
+    assert s["reserved_state_bytes"] == s["active"][0]["reserved_state_bytes"]
+    list(it)
+
+
+def _expect(status, fn):
+    with pytest.raises(openai.APIStatusError) as e:
+        fn()
+    assert e.value.status_code == status, e.value
+    return e.value
+
+
+def test_error_statuses_then_normal_request(server, client, http):
+    _expect(400, lambda: client.chat.completions.create(model="tiny", messages=MSGS, temperature=-1))
+    err = _expect(400, lambda: client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1000))
+    assert err.body["param"] == "max_tokens" if isinstance(err.body, dict) and "param" in err.body else True
+    _expect(400, lambda: client.completions.create(model="tiny", prompt=[1] * 400, max_tokens=200))
+    bad_key = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
+    _expect(401, lambda: bad_key.models.list())
+    _expect(404, lambda: client.chat.completions.create(model="nope", messages=MSGS))
+    _expect(404, lambda: client.chat.completions.create(model="tiny", messages=MSGS, extra_body={"session": "f" * 32}))
+    _expect(413, lambda: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 70000}]))
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "n": 9, "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["x-should-retry"] == "false" and r.json()["error"]["message"]
+    r = http.post("/v1/completions", data=b"{not json")
+    assert r.status_code == 400 and "error" in r.json()
+    ok = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    metrics = http.get("/metrics").text
+    for status in ("400", "401", "404", "413", "503"):
+        assert f'jaxllm_http_errors_total{{status="{status}"}}' in metrics
+
+
+def test_client_gone_before_admission_is_499(server, client, http):
+    server["config"].write_text(CONFIG.format(active=1))
+    gen = http.post("/v1/settings/reload").json()["generation"]
+    try:
+        long = client.completions.create(model="tiny", prompt="Busy", max_tokens=250, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+        it = iter(long)
+        next(it)
+        impatient = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="tiny", prompt="queued", max_tokens=2)
+        list(it)
+    finally:
+        server["config"].write_text(CONFIG.format(active=8))
+        assert http.post("/v1/settings/reload").json()["generation"] == gen + 1
+    s = _wait_idle(http)
+    assert s["requests"]["cancelled_queued"] >= 1 and s["settings_generation"] >= gen
+    assert 'jaxllm_http_errors_total{status="499"}' in http.get("/metrics").text
+    assert "499 client went away before admission" in server["log"].read_text()
+    assert client.completions.create(model="tiny", prompt="after", max_tokens=2).choices
+
+
+def test_stop_string_not_leaked(client):
+    base = client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    if len(base) < 6:
+        pytest.skip("greedy output too short to cut")
+    stop = base[3:6]
+    cut = base[: base.find(stop)]
+    r = client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    s = list(client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=0,
+                                       stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in s if c.choices) == cut
+
+
+def test_n_and_seed(client):
+    r = client.completions.create(model="tiny", prompt="Pick a word:", max_tokens=6, temperature=1.0, n=3, seed=7)
+    again = client.completions.create(model="tiny", prompt="Pick a word:", max_tokens=6, temperature=1.0, n=3, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert r.usage.completion_tokens == sum(1 for _ in range(0)) + r.usage.completion_tokens
+
+
+def test_sessions(server, client, http):
+    first = client.chat.completions.with_raw_response.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0,
+                                                             extra_body={"session": True})
+    sid = first.headers["x-session-id"]
+    body = first.parse()
+    assert len(sid) == 32
+    second = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "More."}], max_tokens=4,
+                                            temperature=0, extra_body={"session": sid})
+    assert second.usage.prompt_tokens > body.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    got = http.get(f"/v1/sessions/{sid}").json()
+    assert got["turns"] == 2 and [m["role"] for m in got["messages"]] == ["user", "assistant", "user", "assistant"]
+    other = requests.get(f"{server['base']}/v1/sessions/{sid}", headers={"authorization": "Bearer other"})
+    assert other.status_code == 401
+    assert http.delete(f"/v1/sessions/{sid}").status_code == 200
+    assert http.get(f"/v1/sessions/{sid}").status_code == 404
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_tools_round_trip_renders(client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    msgs = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    s = list(client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0, stream=True))
+    assert sum(1 for c in s if c.choices and c.choices[0].finish_reason) == 1
+
+
+def test_models_metrics_state(client, http):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert "jaxllm_generated_tokens_total" in http.get("/metrics").text
+    s = _state(http)
+    assert s["ready"] and s["requests"]["reconcile_errors"] == 0 and s["requests"]["failed_rounds"] == 0
