@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -57,6 +58,13 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    constraint: TokenConstraint | None = None
+    dispatched: int = 0  # decode steps dispatched (may run ahead of `generated`)
+
+    @property
+    def position_bound(self) -> int:
+        """Upper bound of the positions written on the device, in-flight rounds included."""
+        return min(self.prefilled, len(self.prompt)) + self.dispatched
 
     @property
     def decoding(self) -> bool:
@@ -65,6 +73,18 @@ class Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.generated)
+
+
+class TokenConstraint(Protocol):
+    """Host-side grammar state of a constrained sequence (structured output, forced tools)."""
+
+    def allowed_bitmask(self) -> np.ndarray:
+        """[ceil(V/32)] u32: bit v%32 of word v//32 set where token v may come next."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """Consumes a drawn token."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +149,7 @@ class Engine:
 
     # ---- sequences in and out ---------------------------------------------------------
     def add(self, prompt: Seq[int], params: SamplingParams, *, checkpoint: SeqCheckpoint | None = None,
-            cached_tokens: int = 0) -> Sequence:
+            cached_tokens: int = 0, constraint: TokenConstraint | None = None) -> Sequence:
         """Puts a new sequence into a free slot; `checkpoint` restores its first `cached_tokens`.
 
         Raises:
@@ -155,7 +175,8 @@ class Engine:
         seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
         row = sampling_row(params, self.cfg.vocab_size, self.eos_ids, seed)
         self.state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
-        seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed))
+        seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
+                       constraint=constraint)
         if checkpoint is not None:
             if not 0 < cached_tokens < len(prompt):
                 raise ValueError("cached_tokens must be in (0, len(prompt))")
@@ -241,20 +262,19 @@ class Engine:
         if self.seqs:
             raise RuntimeError("warmup must run on an empty engine")
         B = self.layout.max_slots
-        no_decode = np.zeros((B,), bool)
-        no_top = np.bool_(False)
+        idle = steps.round_inputs(B, self.cfg.vocab_size)
         count = 0
         chunk_sizes = [0] + list(self.config.chunk_buckets)
         for ctx in self.ctx_buckets():
             for size in chunk_sizes:
                 chunk = self._idle_chunk(size)
                 self.state, _ = steps.step(
-                    self.params, self.state, no_decode, chunk, no_top, cfg=self.cfg, chunk_len=max(size, 1), n_ctx_pages=ctx
+                    self.params, self.state, idle, chunk, cfg=self.cfg, chunk_len=max(size, 1), n_ctx_pages=ctx
                 )
                 count += 1
             if self.config.decode_steps_per_call > 1:
                 self.state, _ = steps.decode_steps(
-                    self.params, self.state, no_decode, no_top, cfg=self.cfg, n_steps=self.config.decode_steps_per_call, n_ctx_pages=ctx
+                    self.params, self.state, idle, cfg=self.cfg, n_steps=self.config.decode_steps_per_call, n_ctx_pages=ctx
                 )
                 count += 1
         for n_pages in [1, 2, 4] + self.ctx_buckets():
@@ -297,46 +317,65 @@ class Engine:
         if not decoding and not prefilling:
             return None
         B = self.layout.max_slots
-        mask = np.zeros((B,), bool)
-        for s in decoding:
-            mask[s.slot] = True
-        want_top = np.bool_(any(s.params.top_logprobs > 0 for s in self.seqs.values()))
+        inputs = steps.round_inputs(B, self.cfg.vocab_size)
+        inputs.decode_mask[[s.slot for s in decoding]] = True
+        inputs = inputs.replace(want_top=np.bool_(any(s.params.top_logprobs > 0 for s in self.seqs.values())))
         snapshot = dict(self.seqs)
 
         if not prefilling and self.config.decode_steps_per_call > 1:
             n = self.config.decode_steps_per_call
-            ctx = self._ctx_pages(max(s.length for s in decoding) + n)
+            self._constrain(inputs, decoding)
+            ctx = self._ctx_pages(max(s.position_bound for s in decoding) + n)
+            for s in decoding:
+                s.dispatched += 1 if s.constraint is not None else n
             self.state, out = steps.decode_steps(
-                self.params, self.state, np.asarray(mask), np.asarray(want_top), cfg=self.cfg, n_steps=n, n_ctx_pages=ctx
+                self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx
             )
             return _Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 
         max_chunk = self.config.chunk_buckets[-1]
         budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
-        chunk, ctx_needed, n_prompt = self._build_chunk(prefilling, budget)
-        ctx_needed = max([ctx_needed] + [s.length + 1 for s in decoding])
+        chunk, ctx_needed, n_prompt, finishing = self._build_chunk(prefilling, budget)
+        self._constrain(inputs, decoding + finishing)
+        ctx_needed = max([ctx_needed] + [s.position_bound + 1 for s in decoding])
+        for s in decoding:
+            s.dispatched += 1
         chunk_len = int(chunk.tokens.shape[0]) if n_prompt else 1
         self.state, out = steps.step(
             self.params,
             self.state,
-            np.asarray(mask),
+            inputs,
             chunk,
-            np.asarray(want_top),
             cfg=self.cfg,
             chunk_len=chunk_len,
             n_ctx_pages=self._ctx_pages(ctx_needed),
         )
         return _Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt)
 
+    @staticmethod
+    def _constrain(inputs: steps.RoundInputs, sampling: list[Sequence]) -> None:
+        """Fills the allowed-token bits of constrained sequences that draw a token this round."""
+        for s in sampling:
+            if s.constraint is not None:
+                inputs.token_mask[s.slot] = s.constraint.allowed_bitmask()
+                inputs.constrained[s.slot] = True
+
     def _ctx_pages(self, n_positions: int) -> int:
         pages = max(self.layout.pages_for(n_positions), self.config.min_ctx_pages)
         return pages_bucket(pages, self.layout.max_pages_per_seq)
 
-    def _build_chunk(self, prefilling: list[Sequence], budget: int) -> tuple[steps.ChunkBatch, int, int]:
-        """The next prompt chunk of the first prefilling sequence (admission order)."""
+    def _build_chunk(
+        self, prefilling: list[Sequence], budget: int
+    ) -> tuple[steps.ChunkBatch, int, int, list[Sequence]]:
+        """The next prompt chunk of the first prefilling sequence (admission order).
+
+        Returns:
+          (chunk, positions it reaches, prompt tokens in it, [the sequence] if the chunk
+          ends its prompt so it draws its first token this round, else []).
+        """
         B = self.layout.max_slots
         if not prefilling:
-            return steps.empty_chunk(B), 0, 0
+            return steps.empty_chunk(B), 0, 0, []
         seq = min(prefilling, key=lambda s: s.id)
         start = seq.prefilled
         n = min(budget, len(seq.prompt) - start)
@@ -357,7 +396,7 @@ class Engine:
             seg_len=np.asarray([n], np.int32),
             seg_samples=np.asarray([seq.prefilled == len(seq.prompt)]),
         )
-        return chunk, start + n, n
+        return chunk, start + n, n, [seq] if seq.prefilled == len(seq.prompt) else []
 
     def collect(self, handle: _Round) -> list[TokenEvent]:
         """Reads a launched round (one device_get) and appends its tokens to the sequences."""
@@ -379,6 +418,8 @@ class Engine:
                 k = seq.params.top_logprobs
                 tops.append([(int(i), float(p)) for i, p in zip(o.top_ids[slot][:k], o.top_logprobs[slot][:k])])
                 seq.generated.append(token)
+                if seq.constraint is not None:
+                    seq.constraint.advance(token)
                 if o.done[slot]:
                     seq.finish_reason = "stop" if self._is_stop(seq, token) else "length"
             if new:

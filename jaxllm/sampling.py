@@ -120,6 +120,18 @@ def process_logits(
     return jnp.where(too_early & s.stop_mask, _NEG, logits)
 
 
+def unpack_token_mask(bits: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, W] u32 bitmask -> [B, V] bool."""
+    v = jnp.arange(vocab_size)
+    words = bits[:, v // 32]
+    return ((words >> (v % 32).astype(jnp.uint32)) & 1).astype(bool)
+
+
+def apply_token_mask(logits: jax.Array, bits: jax.Array, constrained: jax.Array) -> jax.Array:
+    allowed = unpack_token_mask(bits, logits.shape[1])
+    return jnp.where(constrained[:, None] & ~allowed, _NEG, logits)
+
+
 def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """[V] bool: ids allowed by top-k, then top-p (on the renormalised top-k set), then min-p."""
     V = scaled.shape[0]
@@ -143,6 +155,9 @@ def sample(
     n_generated: jax.Array,
     positions: jax.Array,
     want_top: jax.Array,
+    *,
+    token_mask: jax.Array | None = None,
+    constrained: jax.Array | None = None,
 ) -> Sampled:
     """Draws one token per slot.
 
@@ -151,8 +166,14 @@ def sample(
       s, seen, out_counts, n_generated: per-slot sampler state.
       positions: [B] absolute position the drawn token will take (feeds the rng).
       want_top: [] bool, whether any slot asked for top logprobs this round.
+      token_mask: [B, ceil(V/32)] u32 allowed-token bits (bit v%32 of word v//32).
+      constrained: [B] bool, rows where `token_mask` applies.
     """
     processed = process_logits(logits, s, seen, out_counts, n_generated)
+    if token_mask is not None:
+        processed = jax.lax.cond(
+            jnp.any(constrained), lambda: apply_token_mask(processed, token_mask, constrained), lambda: processed
+        )
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     is_sampled = s.temperature > 0
 

@@ -40,6 +40,26 @@ class ChunkBatch:
 
 
 @struct.dataclass
+class RoundInputs:
+    """Per-round host inputs besides prompt chunks (all arrays: they never recompile)."""
+
+    decode_mask: jax.Array  # [B] bool: slots that decode this round
+    want_top: jax.Array  # [] bool: any slot wants top logprobs
+    token_mask: jax.Array  # [B, ceil(V/32)] u32 allowed-token bits (constrained decoding)
+    constrained: jax.Array  # [B] bool: token_mask applies to this slot
+
+
+def round_inputs(B: int, V: int) -> RoundInputs:
+    """Host-side (numpy) inputs with nothing decoding and nothing constrained."""
+    return RoundInputs(
+        decode_mask=np.zeros((B,), bool),
+        want_top=np.bool_(False),
+        token_mask=np.zeros((B, -(-V // 32)), np.uint32),
+        constrained=np.zeros((B,), bool),
+    )
+
+
+@struct.dataclass
 class StepOutput:
     tokens: jax.Array  # [B] i32 sampled this round (valid where `sampled`)
     logprob: jax.Array  # [B] f32
@@ -60,9 +80,8 @@ def empty_chunk(B: int) -> ChunkBatch:
 def _round(
     params: Params,
     state: DecodeState,
-    decode_mask: jax.Array,
+    inputs: RoundInputs,
     chunk: ChunkBatch,
-    want_top: jax.Array,
     *,
     cfg: ModelConfig,
     chunk_len: int,
@@ -70,7 +89,7 @@ def _round(
 ) -> tuple[DecodeState, StepOutput]:
     B = state.lengths.shape[0]
     rows = jnp.arange(B)
-    decoding = decode_mask & ~state.done
+    decoding = inputs.decode_mask & ~state.done
     trash = B
 
     batch = TokenBatch(
@@ -98,7 +117,10 @@ def _round(
     seen = state.seen.at[batch.slots, batch.tokens].set(True, mode="drop")
 
     logits = lm_head(params, hidden[sample_row])
-    draw = sample(logits, state.sampling, seen, state.out_counts, state.n_generated, lengths, want_top)
+    draw = sample(
+        logits, state.sampling, seen, state.out_counts, state.n_generated, lengths, inputs.want_top,
+        token_mask=inputs.token_mask, constrained=inputs.constrained,
+    )
     tokens = jnp.where(sampled, draw.tokens, state.last_token)
     n_generated = state.n_generated + sampled
     out_counts = state.out_counts.at[jnp.where(sampled, rows, B), tokens].add(1, mode="drop")
@@ -130,36 +152,40 @@ def _round(
 def step(
     params: Params,
     state: DecodeState,
-    decode_mask: jax.Array,
+    inputs: RoundInputs,
     chunk: ChunkBatch,
-    want_top: jax.Array,
     *,
     cfg: ModelConfig,
     chunk_len: int,
     n_ctx_pages: int,
 ) -> tuple[DecodeState, StepOutput]:
-    """One round: decode tokens of `decode_mask` slots plus `chunk`'s prompt tokens."""
-    return _round(params, state, decode_mask, chunk, want_top, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
+    """One round: decode tokens of `inputs.decode_mask` slots plus `chunk`'s prompt tokens."""
+    return _round(params, state, inputs, chunk, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "n_ctx_pages"), donate_argnames=("state",))
 def decode_steps(
     params: Params,
     state: DecodeState,
-    decode_mask: jax.Array,
-    want_top: jax.Array,
+    inputs: RoundInputs,
     *,
     cfg: ModelConfig,
     n_steps: int,
     n_ctx_pages: int,
 ) -> tuple[DecodeState, StepOutput]:
-    """`n_steps` decode-only rounds in one call; outputs stacked on a leading [n_steps] axis."""
+    """`n_steps` decode-only rounds in one call; outputs stacked on a leading [n_steps] axis.
+
+    A constrained slot takes only the first step: its next mask needs the host to see the
+    token it just drew.
+    """
     chunk = empty_chunk(state.lengths.shape[0])
+    later = inputs.replace(decode_mask=inputs.decode_mask & ~inputs.constrained)
 
-    def body(state, _):
-        return _round(params, state, decode_mask, chunk, want_top, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages)
+    def body(state, first):
+        step_inputs = jax.tree.map(lambda a, b: jnp.where(first, a, b), inputs, later)
+        return _round(params, state, step_inputs, chunk, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages)
 
-    return jax.lax.scan(body, state, None, length=n_steps)
+    return jax.lax.scan(body, state, jnp.arange(n_steps) == 0)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

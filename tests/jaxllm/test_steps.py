@@ -214,3 +214,36 @@ def test_bad_inputs_have_clear_errors(params):
         with pytest.raises(ValueError, match=message):
             engine.add([1, 2], SamplingParams(**bad))
     assert engine.seqs == {} and len(engine.free_slots) == 4
+
+
+class AllowList:
+    """A toy constraint: only tokens of one set may be drawn (a grammar stands here in serving)."""
+
+    def __init__(self, allowed: set[int], vocab_size: int):
+        bits = np.zeros((-(-vocab_size // 32),), np.uint32)
+        for t in allowed:
+            bits[t // 32] |= np.uint32(1 << (t % 32))
+        self.bits, self.drawn = bits, []
+
+    def allowed_bitmask(self) -> np.ndarray:
+        return self.bits
+
+    def advance(self, token: int) -> None:
+        self.drawn.append(token)
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 4])
+def test_token_masks_constrain_only_their_slot(params, steps_per_call):
+    engine = make_engine(params, steps_per_call=steps_per_call)
+    allowed = {11, 12, 13, 40}
+    constraint = AllowList(allowed, CFG.vocab_size)
+    free = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    seq = engine.add(PROMPT, SamplingParams(temperature=1.5, seed=9, max_tokens=10, ignore_eos=True), constraint=constraint)
+    run_until_done(engine, [free, seq])
+    assert set(seq.generated) <= allowed and constraint.drawn == seq.generated
+    assert not set(free.generated) <= allowed
+
+    alone = make_engine(params)
+    ref = alone.add(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    run_until_done(alone, [ref])
+    assert free.generated == ref.generated
