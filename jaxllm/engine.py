@@ -107,11 +107,14 @@ class PausedSequence:
 
 
 @dataclasses.dataclass
-class _Round:
+class Round:
+    """A launched round: outputs still on the device, plus what the host planned."""
+
     output: steps.StepOutput
     seqs: dict[int, Sequence]  # slot -> sequence as of dispatch
     multi: bool
     prefill_tokens: int
+    prefill_seq_id: int | None = None
 
 
 class Engine:
@@ -302,7 +305,12 @@ class Engine:
         )
 
     # ---- rounds -----------------------------------------------------------------------
-    def launch(self, *, prefill_budget: int | None = None) -> _Round | None:
+    def next_prefill(self) -> Sequence | None:
+        """The sequence whose prompt chunk the next round carries (oldest admitted first)."""
+        prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
+        return min(prefilling, key=lambda s: s.id) if prefilling else None
+
+    def launch(self, *, prefill_budget: int | None = None) -> Round | None:
         """Dispatches one round (or several decode steps) and returns without waiting.
 
         Args:
@@ -331,11 +339,12 @@ class Engine:
             self.state, out = steps.decode_steps(
                 self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx
             )
-            return _Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
+            return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 
         max_chunk = self.config.chunk_buckets[-1]
         budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
-        chunk, ctx_needed, n_prompt, finishing = self._build_chunk(prefilling, budget)
+        owner = self.next_prefill()
+        chunk, ctx_needed, n_prompt, finishing = self._build_chunk(owner, budget)
         self._constrain(inputs, decoding + finishing)
         ctx_needed = max([ctx_needed] + [s.position_bound + 1 for s in decoding])
         for s in decoding:
@@ -350,7 +359,8 @@ class Engine:
             chunk_len=chunk_len,
             n_ctx_pages=self._ctx_pages(ctx_needed),
         )
-        return _Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt)
+        return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt,
+                     prefill_seq_id=owner.id if owner else None)
 
     @staticmethod
     def _constrain(inputs: steps.RoundInputs, sampling: list[Sequence]) -> None:
@@ -365,18 +375,17 @@ class Engine:
         return pages_bucket(pages, self.layout.max_pages_per_seq)
 
     def _build_chunk(
-        self, prefilling: list[Sequence], budget: int
+        self, seq: Sequence | None, budget: int
     ) -> tuple[steps.ChunkBatch, int, int, list[Sequence]]:
-        """The next prompt chunk of the first prefilling sequence (admission order).
+        """The next prompt chunk of `seq` (see `next_prefill`).
 
         Returns:
           (chunk, positions it reaches, prompt tokens in it, [the sequence] if the chunk
           ends its prompt so it draws its first token this round, else []).
         """
         B = self.layout.max_slots
-        if not prefilling:
+        if seq is None:
             return steps.empty_chunk(B), 0, 0, []
-        seq = min(prefilling, key=lambda s: s.id)
         start = seq.prefilled
         n = min(budget, len(seq.prompt) - start)
         bucket = next(b for b in self.config.chunk_buckets if b >= n)
@@ -398,7 +407,7 @@ class Engine:
         )
         return chunk, start + n, n, [seq] if seq.prefilled == len(seq.prompt) else []
 
-    def collect(self, handle: _Round) -> list[TokenEvent]:
+    def collect(self, handle: Round) -> list[TokenEvent]:
         """Reads a launched round (one device_get) and appends its tokens to the sequences."""
         out = jax.device_get(handle.output)
         steps_out = (
@@ -437,5 +446,5 @@ class Engine:
         handle = self.launch(prefill_budget=prefill_budget)
         return [] if handle is None else self.collect(handle)
 
-    def expert_tokens(self, handle: _Round) -> np.ndarray:
+    def expert_tokens(self, handle: Round) -> np.ndarray:
         return np.asarray(jax.device_get(handle.output.expert_tokens))

@@ -352,10 +352,9 @@ class Scheduler:
 
     # ---- rounds ----------------------------------------------------------------------
     def _prefill_target(self) -> tuple[Any, Active | None]:
-        prefilling = [s for s in self.engine.seqs.values() if s.prefilled < len(s.prompt)]
-        if not prefilling:
+        seq = self.engine.next_prefill()
+        if seq is None:
             return None, None
-        seq = min(prefilling, key=lambda s: s.id)
         owner = self.by_seq.get(seq.id)
         return seq, owner[0] if owner else None
 
@@ -393,7 +392,7 @@ class Scheduler:
             return
         elapsed = self.clock() - started
         self.totals["rounds"] += 1
-        prefill_tokens = getattr(handle, "prefill_tokens", 0)
+        prefill_tokens = handle.prefill_tokens
         if prefill_tokens:
             if self.compiles.count == compiles:
                 self.pacer.observe(prefill_tokens, elapsed)
@@ -423,13 +422,8 @@ class Scheduler:
     def _checkpoint(self, seq: Any, length: int) -> None:
         if self.cache.contains(seq.prompt[:length], self.cache_options):
             return
+        # The engine gives a prefix exactly prompt[:length], unsampled, whatever ran since.
         ckpt = self.engine.extract(seq, length)
-        if length == len(seq.prompt) and hasattr(ckpt, "replace"):
-            # The last chunk also sampled the first token; a prefix must look unsampled.
-            import jax.numpy as jnp
-
-            ckpt = ckpt.replace(n_generated=jnp.zeros_like(ckpt.n_generated), done=jnp.zeros_like(ckpt.done),
-                                out_counts=jnp.zeros_like(ckpt.out_counts))
         self.cache.put(seq.prompt[:length], ckpt, self.cache_options)
 
     # ---- tokens -> text -> frames ------------------------------------------------------
@@ -636,41 +630,5 @@ class _ResponseTooLarge(Exception):
 
 
 def warmup_engine(engine: Any, *, vocab: int) -> int:
-    """Compiles every shape bucket by running throwaway sequences; returns rounds run.
-
-    Covers `step` at every (chunk bucket, context bucket) a prefill reaches, the multi-step
-    decode at every context bucket, and extract/insert at every page bucket.
-    """
-    from jaxllm.state import pages_bucket
-
-    layout = engine.layout
-    cfg = engine.config
-    max_pages = layout.max_pages_per_seq
-    n_steps = cfg.decode_steps_per_call
-    rounds = 0
-    greedy = dict(temperature=0.0, ignore_eos=True)
-
-    def run(seq: Any, budget: int | None = None) -> None:
-        nonlocal rounds
-        while seq.finish_reason is None:
-            engine.step(prefill_budget=budget)
-            rounds += 1
-
-    longest = engine.max_context - 2
-    for c in cfg.chunk_buckets:
-        prompt = [int(x) for x in (np.arange(longest) % max(vocab - 1, 1)) + 1]
-        seq = engine.add(prompt, SamplingParams(max_tokens=2, **greedy))
-        run(seq, c)
-        engine.remove(seq)
-    buckets = sorted({pages_bucket(max(p, cfg.min_ctx_pages), max_pages) for p in range(1, max_pages + 1)})
-    for k in buckets:
-        length = max(2, min(k * layout.page_size - n_steps - 2, engine.max_context - n_steps - 2))
-        prompt = [int(x) for x in (np.arange(length) % max(vocab - 1, 1)) + 1]
-        seq = engine.add(prompt, SamplingParams(max_tokens=n_steps + 1, **greedy))
-        run(seq)
-        ckpt = engine.extract(seq, length - 1)
-        engine.remove(seq)
-        seq = engine.add(prompt, SamplingParams(max_tokens=1, **greedy), checkpoint=ckpt, cached_tokens=length - 1)
-        run(seq)
-        engine.remove(seq)
-    return rounds
+    """Compiles every shape bucket before the server reports healthy; returns variants run."""
+    return engine.warmup()

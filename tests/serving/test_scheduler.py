@@ -76,6 +76,10 @@ class FakeEngine:
     def extract(self, seq, n):
         return SimpleNamespace(nbytes=lambda: 10, n=n)
 
+    def next_prefill(self):
+        prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
+        return min(prefilling, key=lambda s: s.id) if prefilling else None
+
     def launch(self, *, prefill_budget=None):
         if self.fail_next:
             self.fail_next = False
