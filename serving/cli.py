@@ -62,10 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = runtime_cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     add_serve_parser(sub)
+    from serving.bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(sub)
     return parser
 
 
+def _alias_bench_serve(argv: list[str]) -> list[str]:
+    """`jaxllm bench serve ...` is `jaxllm bench-serve ...` (vLLM's spelling).
+
+    A rewrite rather than a nested subparser: the runtime's `bench` parser (jaxllm/) takes
+    only options, and nesting would change how it parses; "serve" is never a valid value there.
+    """
+    if argv[:2] == ["bench", "serve"]:
+        return ["bench-serve", *argv[2:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _alias_bench_serve(list(sys.argv[1:] if argv is None else argv))
     return runtime_cli.main(argv, build_parser())
 
 
