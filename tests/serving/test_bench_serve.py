@@ -1,0 +1,101 @@
+"""Smoke test of `jaxllm bench serve` against the real tiny server (random llama, SmolLM2 tokenizer)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from serving import bench_serve
+from serving.cli import _alias_bench_serve, build_parser, main
+
+KEY = "bench-key"
+CONFIG = """
+[limits]
+active_requests = 4
+active_state_mib = 64
+max_output_tokens = 64
+[engine]
+max_slots = 4
+kv_mib = 8
+max_seq_len = 256
+chunk_buckets = [32]
+"""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench_server")
+    config = tmp / "server.toml"
+    config.write_text(CONFIG)
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache/jaxllm/xla"))}
+    log = open(tmp / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.serving.tiny_server", "--port", str(port), "--config", str(config),
+                             "--api-key", KEY], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None, (tmp / "server.log").read_text()
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, "server never became healthy"
+        time.sleep(0.2)
+    yield dict(port=port, proc=proc, config=config, tmp=tmp)
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_bench_serve_json(server, capsys):
+    out = server["tmp"] / "result.json"
+    rc = main(["bench", "serve", "--port", str(server["port"]), "--api-key", KEY, "--input-len", "16",
+               "--output-len", "8", "--num-prompts", "6", "--concurrency", "3", "--request-rate", "50",
+               "--vocab-size", "49152", "--json", str(out)])
+    assert rc == 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    s = r["result"]
+    assert s["successful_requests"] == 6 and s["failed_requests"] == 0
+    assert s["total_input_tokens"] == 6 * 16 and s["total_output_tokens"] == 6 * 8
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert s[key]["mean"] is not None and s[key]["p99"] >= s[key]["p50"] >= 0
+    assert s["output_throughput"] > 0 and s["total_token_throughput"] > s["output_throughput"]
+    # The pid listening on the port is found through /proc, so RSS comes from VmRSS.
+    assert r["rss_source"] == f"/proc/{server['proc'].pid}/status VmRSS"
+    assert r["rss_before"] > 10 << 20 and r["rss_after"] > 10 << 20
+
+
+def test_both_spellings_parse():
+    p = build_parser()
+    a = p.parse_args(["bench-serve", "--num-prompts", "3"])
+    assert a.func is bench_serve.run_bench_serve and a.num_prompts == 3
+    assert _alias_bench_serve(["bench", "serve", "--port", "1"]) == ["bench-serve", "--port", "1"]
+    assert _alias_bench_serve(["bench", "--repeats", "1"]) == ["bench", "--repeats", "1"]  # the engine bench
+
+
+def test_overhead_engine_vs_http(server):
+    from tests.serving.tiny_server import tiny_model
+
+    args = argparse.Namespace(input_len=16, output_len=8, vocab_size=49152, seed=0, overhead_repeats=1,
+                              config=str(server["config"]), serve_args="", api_key=KEY, timeout=60)
+    engine_side = bench_serve.engine_tpot(args, model=tiny_model())
+    o = bench_serve.measure_overhead(args, f"http://127.0.0.1:{server['port']}", "tiny", engine_side)
+    assert o["engine_tpot_ms"] > 0 and o["http_tpot_ms"] > 0 and o["ratio"] > 0
