@@ -17,6 +17,7 @@ from jaxllm.chat_template import ChatTemplateError, tokenize_chat
 from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxllm.tokenizer import Tokenizer
 from serving.settings import Settings
+from serving.structured import StructuredOutputError, build_constraints
 from serving.tool_calls import (
     DEFAULT_TOOL_SYSTEM_PROMPT,
     ToolContract,
@@ -72,6 +73,7 @@ class Prepared:
     session: str | bool | None = None
     user: str | None = None
     seed_given: bool = False
+    constraints: tuple[Any, ...] = ()  # one grammar constraint per choice (structured output)
 
     @property
     def n(self) -> int:
@@ -249,8 +251,6 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
                session_seed: int | None = None) -> Prepared:
     common = _common(body)
     response_format = _get(body, "response_format", dict, {"type": "text"})
-    if response_format.get("type", "text") != "text":
-        raise bad("response_format other than text is not supported yet", "response_format")
     tools = _get(body, "tools", list, None)
     tool_choice = body.get("tool_choice") or "auto"
     if tools is not None:
@@ -284,12 +284,16 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     if use_tools:
         fmt = pick_format(model_name, settings.defaults.tool_call_format or None)
         contract = ToolContract.from_openai(use_tools, format=fmt, tool_choice=tool_choice)
+    try:
+        constraints = build_constraints(response_format, contract, tokenizer, vocab, len(params))
+    except StructuredOutputError as e:
+        raise bad(str(e), e.param) from None
     boundaries = sorted({b for b in chat.message_boundaries if 0 < b < len(chat.ids)})
     return Prepared(kind="chat", model=model_name, prompt=chat.ids, boundaries=boundaries, params=params,
                     stop=common["stop"], stream=common["stream"], include_usage=common["include_usage"],
                     logprobs=logprobs, top_logprobs=top, skip_special_tokens=common["skip_special_tokens"],
                     tools=contract, messages=list(new_messages), session=body.get("session"),
-                    user=common["user"], seed_given=common["seed"] is not None)
+                    user=common["user"], seed_given=common["seed"] is not None, constraints=constraints)
 
 
 def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings, *, max_context: int,
