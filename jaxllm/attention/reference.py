@@ -2,8 +2,8 @@
 
 Queries come in *windows*: a window is up to Q consecutive tokens of the flattened batch that
 belong to one slot (Q = 1 for decode tokens, Q = the chunk bucket for prompt chunks). Each
-window attends to its slot's pages up to each query's own position, so causality inside a
-chunk and attention to earlier chunks are the same rule. Cost is windows x Q x S, with S the
+window attends to its slot's pages written by earlier rounds and, causally, to its own new
+keys; a slot appears in at most one window per round. Cost is windows x Q x S, with S the
 context bucket the caller chose (only the live part of the cache is read).
 """
 
@@ -25,6 +25,8 @@ class Windows:
 
 def paged_attention(
     q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
     positions: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -34,14 +36,17 @@ def paged_attention(
     window_len: int,
     n_ctx_pages: int,
 ) -> jax.Array:
-    """Attention of windowed queries over paged K/V.
+    """Attention of windowed queries over paged K/V written before this round plus the
+    window's own new K/V (causal). The cache is only read here: the caller writes this
+    round's K/V once, after all layers, which keeps every update in place.
 
     Args:
       q: [T, H, Dh] queries of the whole flat batch.
+      k_new, v_new: [T, K, Dh] this round's keys and values.
       positions: [T] absolute position of each token.
-      k_pages, v_pages: [P, page, K, Dh] one layer's page pool (already holding this batch's K/V).
+      k_pages, v_pages: [P, page, K, Dh] one layer's page pool (earlier rounds' K/V).
       page_table: [rows, max_pages] page ids per slot.
-      windows: which tokens form each window.
+      windows: which tokens form each window (one slot per window).
       window_len: static Q.
       n_ctx_pages: static number of leading pages of each slot to read (context bucket).
 
@@ -60,18 +65,24 @@ def paged_attention(
     in_window = offsets[None, :] < windows.length[:, None]
     safe_idx = jnp.where(in_window, idx, 0)
     qw = q[safe_idx].reshape(W, window_len, K, G, Dh)
+    kw, vw = k_new[safe_idx], v_new[safe_idx]  # [W, Q, K, Dh]
     qpos = positions[safe_idx]  # [W, Q]
+    first_pos = qpos[:, :1]  # [W, 1]: cache positions before it were written by earlier rounds
 
     pages = page_table[windows.slot, :n_ctx_pages]  # [W, n]
     k = k_pages[pages].reshape(W, S, K, Dh)
     v = v_pages[pages].reshape(W, S, K, Dh)
 
     scale = Dh**-0.5
-    scores = jnp.einsum("wqkgd,wskd->wkgqs", qw, k, preferred_element_type=jnp.float32) * scale
-    causal = jnp.arange(S)[None, None, :] <= qpos[:, :, None]  # [W, Q, S]
-    scores = jnp.where(causal[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("wkgqs,wskd->wqkgd", probs, v, preferred_element_type=jnp.float32)
+    cached = jnp.einsum("wqkgd,wskd->wkgqs", qw, k, preferred_element_type=jnp.float32) * scale
+    fresh = jnp.einsum("wqkgd,wpkd->wkgqp", qw, kw, preferred_element_type=jnp.float32) * scale
+    cache_ok = jnp.arange(S)[None, None, :] < first_pos[:, :, None]  # [W, 1, S]
+    fresh_ok = (offsets[None, None, :] <= offsets[None, :, None]) & in_window[:, None, :]  # [W, Q, Q]
+    cached = jnp.where(cache_ok[:, None, None], cached, _MASKED)
+    fresh = jnp.where(fresh_ok[:, None, None], fresh, _MASKED)
+    probs = jax.nn.softmax(jnp.concatenate([cached, fresh], axis=-1), axis=-1).astype(v.dtype)
+    out = jnp.einsum("wkgqs,wskd->wqkgd", probs[..., :S], v, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("wkgqp,wpkd->wqkgd", probs[..., S:], vw, preferred_element_type=jnp.float32)
     out = out.reshape(W * window_len, H, Dh).astype(q.dtype)
 
     # Scatter back to the flat batch; tokens outside any window are dropped (index T).

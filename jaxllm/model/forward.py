@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -40,7 +42,8 @@ def _layer(
     *,
     chunk_len: int,
     n_ctx_pages: int,
-) -> tuple[jax.Array, KVCache, jax.Array]:
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
+    """One block; reads the cache, returns this round's (k, v) for the caller to write."""
     a = lp.attn
     inv_freq = rope_inv_freq(cfg)
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
@@ -53,30 +56,16 @@ def _layer(
         q = rms_norm(q, a.q_norm, cfg.rms_eps)
         k = rms_norm(k, a.k_norm, cfg.rms_eps)
     q = apply_rope(q, batch.positions, inv_freq)
-    k = apply_rope(k, batch.positions, inv_freq)
+    k = apply_rope(k, batch.positions, inv_freq).astype(kv.k.dtype)
+    v = v.astype(kv.v.dtype)
 
-    page_size = kv.k.shape[2]
-    page = page_table[batch.slots, batch.positions // page_size]
-    offset = batch.positions % page_size
-    kv = KVCache(
-        k=kv.k.at[layer_index, page, offset].set(k.astype(kv.k.dtype)),
-        v=kv.v.at[layer_index, page, offset].set(v.astype(kv.v.dtype)),
-    )
     k_layer, v_layer = kv.k[layer_index], kv.v[layer_index]
-    attn = paged_attention(
-        q, batch.positions, k_layer, v_layer, page_table, batch.decode, window_len=1, n_ctx_pages=n_ctx_pages
+    attend = functools.partial(
+        paged_attention, q, k, v, batch.positions, k_layer, v_layer, page_table, n_ctx_pages=n_ctx_pages
     )
+    attn = attend(batch.decode, window_len=1)
     if batch.chunks.slot.shape[0]:
-        attn = attn + paged_attention(
-            q,
-            batch.positions,
-            k_layer,
-            v_layer,
-            page_table,
-            batch.chunks,
-            window_len=chunk_len,
-            n_ctx_pages=n_ctx_pages,
-        )
+        attn = attn + attend(batch.chunks, window_len=chunk_len)
     x = x + jnp.einsum("thk,hkd->td", attn, a.wo)
 
     h = rms_norm(x, lp.mlp_norm, cfg.rms_eps)
@@ -85,7 +74,18 @@ def _layer(
         out, expert_tokens = moe_mlp(h, lp.mlp, cfg, valid)
     else:
         out, expert_tokens = dense_mlp(h, lp.mlp), jnp.zeros((0,), jnp.int32)
-    return x + out, kv, expert_tokens
+    return x + out, (k, v), expert_tokens
+
+
+def write_kv(kv: KVCache, k_new: jax.Array, v_new: jax.Array, batch: TokenBatch, page_table: jax.Array) -> KVCache:
+    """Writes every layer's new K/V ([L, T, K, Dh]) into the pages in one in-place scatter."""
+    page_size = kv.k.shape[2]
+    page = page_table[batch.slots, batch.positions // page_size]  # [T]; padding -> trash page
+    offset = batch.positions % page_size
+    return KVCache(
+        k=kv.k.at[:, page, offset].set(k_new),
+        v=kv.v.at[:, page, offset].set(v_new),
+    )
 
 
 def forward(
@@ -98,7 +98,7 @@ def forward(
     chunk_len: int,
     n_ctx_pages: int,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
-    """Runs every layer over the batch, writing its K/V into the pages.
+    """Runs every layer over the batch, then writes the batch's K/V into the pages.
 
     Returns:
       (final-normed hidden [T, D], the updated cache, tokens per expert [L, E] or [L, 0]).
@@ -108,20 +108,22 @@ def forward(
 
     if cfg.scan_layers:
 
-        def body(carry, xs):
-            x, kv = carry
+        def body(x, xs):
             lp, i = xs
-            x, kv, experts = _layer(x, kv, i, lp, batch, **kwargs)
-            return (x, kv), experts
+            x, new_kv, experts = _layer(x, kv, i, lp, batch, **kwargs)
+            return x, (new_kv, experts)
 
-        (x, kv), experts = jax.lax.scan(body, (x, kv), (params.layers, jnp.arange(cfg.n_layers)))
+        x, ((k_new, v_new), experts) = jax.lax.scan(body, x, (params.layers, jnp.arange(cfg.n_layers)))
     else:
-        per_layer = []
+        ks, vs, per_layer = [], [], []
         for i in range(cfg.n_layers):
             lp = jax.tree.map(lambda w: w[i], params.layers)
-            x, kv, e = _layer(x, kv, i, lp, batch, **kwargs)
+            x, (k, v), e = _layer(x, kv, i, lp, batch, **kwargs)
+            ks.append(k)
+            vs.append(v)
             per_layer.append(e)
-        experts = jnp.stack(per_layer)
+        k_new, v_new, experts = jnp.stack(ks), jnp.stack(vs), jnp.stack(per_layer)
+    kv = write_kv(kv, k_new, v_new, batch, page_table)
     return rms_norm(x, params.final_norm, cfg.rms_eps), kv, experts
 
 
