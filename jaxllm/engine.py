@@ -330,7 +330,10 @@ class Engine:
         inputs = inputs.replace(want_top=np.bool_(any(s.params.top_logprobs > 0 for s in self.seqs.values())))
         snapshot = dict(self.seqs)
 
-        if not prefilling and self.config.decode_steps_per_call > 1:
+        # Several steps per call only help unconstrained slots (a constrained one takes the
+        # first step alone); when every decoding slot is constrained one step is all the work.
+        free = any(s.constraint is None for s in decoding)
+        if not prefilling and free and self.config.decode_steps_per_call > 1:
             n = self.config.decode_steps_per_call
             self._constrain(inputs, decoding)
             ctx = self._ctx_pages(max(s.position_bound for s in decoding) + n)
