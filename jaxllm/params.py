@@ -53,7 +53,9 @@ class LayerParams:
 @struct.dataclass
 class Params:
     embed: jax.Array  # [V, D]
-    layers: LayerParams
+    # Stacked on a leading L axis (for lax.scan), or a tuple of per-layer params (for unrolled
+    # layers: slicing a stacked weight inside the step makes XLA copy it on every call).
+    layers: LayerParams | tuple[LayerParams, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to embed
 
@@ -97,7 +99,7 @@ def param_shapes(cfg: ModelConfig) -> Params:
 def check_params(params: Params, cfg: ModelConfig) -> None:
     """Raises ValueError naming the first leaf whose shape differs from the config's."""
     expected = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))[0]
-    actual = jax.tree_util.tree_flatten_with_path(params)[0]
+    actual = jax.tree_util.tree_flatten_with_path(jax.eval_shape(stack_layers, params))[0]
     if len(expected) != len(actual):
         raise ValueError(f"params have {len(actual)} tensors, the config expects {len(expected)}")
     for (path, want), (_, got) in zip(expected, actual):
@@ -108,3 +110,24 @@ def check_params(params: Params, cfg: ModelConfig) -> None:
 
 def cast_params(params: Params, dtype: str) -> Params:
     return jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
+
+
+def unstack_layers(params: Params) -> Params:
+    """Stacked layers -> a tuple of per-layer params (the unrolled layout)."""
+    if isinstance(params.layers, tuple):
+        return params
+    n = jax.tree.leaves(params.layers)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda w, i=i: w[i], params.layers) for i in range(n))
+    return params.replace(layers=layers)
+
+
+def stack_layers(params: Params) -> Params:
+    """A tuple of per-layer params -> stacked layers (the scan layout)."""
+    if not isinstance(params.layers, tuple):
+        return params
+    return params.replace(layers=jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers))
+
+
+def layout_params(params: Params, scan_layers: bool) -> Params:
+    """The params layout a config's `scan_layers` setting runs fastest with."""
+    return stack_layers(params) if scan_layers else unstack_layers(params)

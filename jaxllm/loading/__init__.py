@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxllm.config import ModelConfig, load_config_json
-from jaxllm.params import Params
+from jaxllm.params import Params, layout_params
 
 FORMATS = ("auto", "gguf", "safetensors", "orbax", "dummy")
 
@@ -75,6 +75,13 @@ def load_model(
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown model format {fmt!r}; known: {', '.join(FORMATS)}")
+    cfg, params = _load(source, fmt, dtype, scan_layers, config_path, progress)
+    return cfg, layout_params(params, cfg.scan_layers)
+
+
+def _load(
+    source: str | Path, fmt: str, dtype: str, scan_layers: bool, config_path: str | Path | None, progress: bool
+) -> tuple[ModelConfig, Params]:
     if fmt == "dummy":
         from jaxllm.loading.dummy import dummy_params
 

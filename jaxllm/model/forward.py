@@ -1,8 +1,8 @@
 """The transformer over a flattened ragged token batch with a paged KV cache.
 
 `forward` is a pure function: (params, tokens, their slots and positions, the cache) ->
-(hidden states, new cache, expert activity). Layers run under `lax.scan` or unrolled
-(`cfg.scan_layers`); both share `_layer`, so they compute the same thing.
+(hidden states, new cache, expert activity). Stacked layers run under `lax.scan`, a tuple of
+layers unrolled (see `params.layout_params`); both share `_layer`, so they compute the same.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def forward(
     x = params.embed[batch.tokens].astype(cfg.jnp_dtype)
     kwargs = dict(page_table=page_table, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
 
-    if cfg.scan_layers:
+    if not isinstance(params.layers, tuple):
 
         def body(x, xs):
             lp, i = xs
@@ -116,8 +116,7 @@ def forward(
         x, ((k_new, v_new), experts) = jax.lax.scan(body, x, (params.layers, jnp.arange(cfg.n_layers)))
     else:
         ks, vs, per_layer = [], [], []
-        for i in range(cfg.n_layers):
-            lp = jax.tree.map(lambda w: w[i], params.layers)
+        for i, lp in enumerate(params.layers):
             x, (k, v), e = _layer(x, kv, i, lp, batch, **kwargs)
             ks.append(k)
             vs.append(v)
