@@ -96,6 +96,7 @@ def test_overhead_engine_vs_http(server):
 
     args = argparse.Namespace(input_len=16, output_len=8, vocab_size=49152, seed=0, overhead_repeats=1,
                               config=str(server["config"]), serve_args="", api_key=KEY, timeout=60)
-    engine_side = bench_serve.engine_tpot(args, model=tiny_model())
-    o = bench_serve.measure_overhead(args, f"http://127.0.0.1:{server['port']}", "tiny", engine_side)
+    engine = bench_serve.overhead_engine(args, model=tiny_model())
+    o = bench_serve.measure_overhead(args, f"http://127.0.0.1:{server['port']}", "tiny", engine)
+    assert len(o["engine_runs_ms"]) == len(o["http_runs_ms"]) == 1
     assert o["engine_tpot_ms"] > 0 and o["http_tpot_ms"] > 0 and o["ratio"] > 0
