@@ -1,0 +1,173 @@
+"""Engine-level GPU benchmark: the issue's cases on random weights at real shapes.
+
+Prints one table: device ceilings (copy bandwidth, bf16 matmul), decode step time at batch 1
+and 1k context (MBU), prefill of one 2k prompt (MFU), and 64-concurrent decode throughput.
+Run on the GPU machine through `benchmarks/gpu.sh`; every figure is a median of timed calls
+after a warm-up call of the same shape (so compilation is excluded and reported apart).
+
+    python benchmarks/gpu_engine.py --config configs/llama3-8b.json [--cases a,b,c] [--scan]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import load_config_json
+from jaxllm.engine import Engine, EngineConfig
+from jaxllm.loading.dummy import dummy_params
+from jaxllm.params import layout_params
+from jaxllm.sampling import SamplingParams
+from jaxllm.state import kv_bytes_per_page
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def timed(fn, repeats: int = 10) -> float:
+    """Median seconds of `fn()` (which must block) after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    x = jax.random.normal(jax.random.PRNGKey(0), (1 << 31,), jnp.bfloat16)  # 4 GiB
+    copy = jax.jit(lambda a: a * 1.0001)
+    copy_s = timed(lambda: copy(x).block_until_ready())
+    n = 8192
+    a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    mm_s = timed(lambda: mm(a, b).block_until_ready())
+    return {"copy_GBps": 2 * x.nbytes / copy_s / 1e9, "matmul_TFLOPs": 2 * n**3 / mm_s / 1e12}
+
+
+def weight_bytes(cfg, params) -> int:
+    """Bytes a decode step must read: every weight except the embedding table (one row)."""
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    if params.lm_head is not None:
+        total -= params.embed.size * params.embed.dtype.itemsize
+    return total
+
+
+def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
+    pages = slots * (-(-max_seq_len // 16) + 1) + 4
+    config = EngineConfig(
+        max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16), max_seq_len=max_seq_len,
+        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps,
+    )
+    return Engine(cfg, params, eos_ids=[], config=config)
+
+
+def prefill(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list:
+    seqs = [engine.add(p, SamplingParams(max_tokens=max_tokens, **GREEDY)) for p in prompts]
+    while any(not s.generated for s in seqs):
+        engine.step()
+    return seqs
+
+
+# Prompt length for the "1k context" cases: with the timed decode steps the context stays
+# under 1024 positions, so every timed call uses one context bucket.
+CTX = 860
+
+
+def decode_seconds_per_call(engine: Engine, calls: int = 5) -> float:
+    """Median seconds of one decode call, dispatched back to back (no host sync between)."""
+    def run():
+        handles = [engine.launch() for _ in range(calls)]
+        jax.block_until_ready(handles[-1].output)
+        return handles
+    run()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t) / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/llama3-8b.json")
+    ap.add_argument("--cases", default="ceil,a,b,c")
+    ap.add_argument("--scan", action="store_true", help="lax.scan over layers instead of unrolled")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
+    ap.add_argument("--out", default=None, help="write the results as JSON here too")
+    args = ap.parse_args()
+    cases = args.cases.split(",")
+    results: dict[str, object] = {"device": str(jax.devices()[0]), "scan_layers": args.scan, "steps_per_call": args.steps}
+
+    if "ceil" in cases:
+        results.update(ceilings())
+        print("ceilings", results, flush=True)
+
+    cfg = load_config_json(args.config, dtype="bfloat16", scan_layers=args.scan)
+    t = time.perf_counter()
+    params = layout_params(dummy_params(cfg), cfg.scan_layers)
+    jax.block_until_ready(params)
+    results["load_s"] = time.perf_counter() - t
+    wbytes = weight_bytes(cfg, params)
+    kv_per_token = kv_bytes_per_page(cfg, 1)
+    rng = np.random.default_rng(0)
+
+    if "a" in cases:
+        for steps in sorted({1, args.steps}):
+            eng = engine_for(cfg, params, slots=1, max_seq_len=2048, chunk=1024, steps=steps)
+            t = time.perf_counter()
+            prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
+            first = time.perf_counter() - t
+            per_call = decode_seconds_per_call(eng)
+            step_s = per_call / steps
+            bytes_step = wbytes + (CTX + 80) * kv_per_token
+            results[f"a_decode_ms_b1_ctx1k_steps{steps}"] = step_s * 1e3
+            results[f"a_mbu_steps{steps}"] = bytes_step / step_s / 4.3e12
+            results[f"a_first_prefill_incl_compile_s_steps{steps}"] = first
+            print(f"A steps/call={steps}: {step_s*1e3:.2f} ms/token, MBU {bytes_step/step_s/4.3e12:.0%} of 4.3 TB/s", flush=True)
+            del eng
+
+    if "b" in cases:
+        eng = engine_for(cfg, params, slots=1, max_seq_len=2048 + 64, chunk=2048, steps=1)
+        prompt = rng.integers(0, cfg.vocab_size, 2048).tolist()
+
+        def one_prefill():
+            seq = eng.add(prompt, SamplingParams(max_tokens=1, **GREEDY))
+            eng.step()
+            assert seq.generated
+            eng.remove(seq)
+
+        s = timed(one_prefill, repeats=5)
+        flops = 2 * 2048 * (wbytes / 2) + 4 * cfg.n_layers * 2048 * 2048 / 2 * cfg.n_heads * cfg.head_dim
+        results["b_prefill_2k_ms"] = s * 1e3
+        results["b_mfu"] = flops / s / 790e12
+        print(f"B prefill 2k: {s*1e3:.1f} ms, MFU {flops/s/790e12:.0%} of 790 TFLOP/s", flush=True)
+        del eng
+
+    if "c" in cases:
+        eng = engine_for(cfg, params, slots=64, max_seq_len=2048 + 64, chunk=1024, steps=args.steps)
+        prompts = [rng.integers(0, cfg.vocab_size, CTX).tolist() for _ in range(64)]
+        t = time.perf_counter()
+        prefill(eng, prompts, max_tokens=1000)
+        results["c_prefill_64x1k_s"] = time.perf_counter() - t
+        per_call = decode_seconds_per_call(eng, calls=3)
+        tok_s = 64 * args.steps / per_call
+        results["c_decode_tok_s_64x1k"] = tok_s
+        print(f"C 64 concurrent at 1k ctx: {tok_s:.0f} output tok/s (decode only), prefill of 64x1k took {results['c_prefill_64x1k_s']:.1f}s incl. compile", flush=True)
+
+    print(json.dumps(results, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
