@@ -52,6 +52,26 @@ def ceilings() -> dict[str, float]:
     return {"copy_GBps": 2 * x.nbytes / copy_s / 1e9, "matmul_TFLOPs": 2 * n**3 / mm_s / 1e12}
 
 
+def kernel_parity() -> dict[str, float]:
+    """cuDNN chunk attention against the plain-jnp reference at real shapes (bf16)."""
+    from jaxllm.attention.fused import fresh_causal_attention
+    from jaxllm.attention.reference import Windows, paged_attention
+
+    T, H, K, Dh, page = 2048, 32, 8, 128, 16
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(keys[0], (T, H, Dh), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (T, K, Dh), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (T, K, Dh), jnp.bfloat16)
+    pages = jnp.zeros((T // page + 1, page, K, Dh), jnp.bfloat16)
+    table = jnp.arange(1, T // page + 1, dtype=jnp.int32)[None]
+    w = Windows(slot=jnp.zeros((1,), jnp.int32), start=jnp.zeros((1,), jnp.int32), length=jnp.full((1,), T, jnp.int32))
+    pos = jnp.arange(T, dtype=jnp.int32)
+    ref = jax.jit(lambda: paged_attention(q, k, v, pos, pages, pages, table, w, window_len=T, n_ctx_pages=T // page))()
+    got = jax.jit(lambda: fresh_causal_attention(q, k, v, w, window_len=T, implementation="cudnn"))()
+    r, g = ref.astype(jnp.float32), got.astype(jnp.float32)
+    return {"cudnn_vs_reference_rel_err": float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))}
+
+
 def weight_bytes(cfg, params) -> int:
     """Bytes a decode step must read: every weight except the embedding table (one row)."""
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -99,7 +119,7 @@ def decode_seconds_per_call(engine: Engine, calls: int = 5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/llama3-8b.json")
-    ap.add_argument("--cases", default="ceil,a,b,c")
+    ap.add_argument("--cases", default="ceil,parity,a,b,c")
     ap.add_argument("--scan", action="store_true", help="lax.scan over layers instead of unrolled")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
@@ -110,6 +130,9 @@ def main() -> None:
     if "ceil" in cases:
         results.update(ceilings())
         print("ceilings", results, flush=True)
+    if "parity" in cases:
+        results.update(kernel_parity())
+        print("kernel parity", results["cudnn_vs_reference_rel_err"], flush=True)
 
     cfg = load_config_json(args.config, dtype="bfloat16", scan_layers=args.scan)
     t = time.perf_counter()

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxllm.attention.fused import chunk_attention, fused_attention_available
 from jaxllm.attention.reference import Windows, paged_attention
 from jaxllm.config import ModelConfig
 from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, rms_norm, rope_inv_freq
@@ -64,7 +65,12 @@ def _layer(
         paged_attention, q, k, v, batch.positions, k_layer, v_layer, page_table, n_ctx_pages=n_ctx_pages
     )
     attn = attend(batch.decode, window_len=1)
-    if batch.chunks.slot.shape[0]:
+    if batch.chunks.slot.shape[0] and fused_attention_available(cfg.dtype):
+        attn = attn + chunk_attention(
+            q, k, v, batch.positions, k_layer, v_layer, page_table, batch.chunks,
+            window_len=chunk_len, n_ctx_pages=n_ctx_pages, implementation="cudnn",
+        )
+    elif batch.chunks.slot.shape[0]:
         attn = attn + attend(batch.chunks, window_len=chunk_len)
     x = x + jnp.einsum("thk,hkd->td", attn, a.wo)
 

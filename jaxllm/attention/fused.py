@@ -1,0 +1,79 @@
+"""Fused attention for prompt chunks with no cached context (cuDNN flash attention on GPU).
+
+A chunk that starts a sequence attends only to itself, causally: exactly what
+`jax.nn.dot_product_attention(is_causal=True)` computes, with cuDNN's flash kernel on the GPU
+instead of the reference's materialised [Q, S] scores. Chunks that continue a sequence keep
+the reference path (they also read pages); `chunk_attention` picks per round on the device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.attention.reference import Windows, paged_attention
+
+
+def fresh_causal_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    windows: Windows,
+    *,
+    window_len: int,
+    implementation: str | None,
+) -> jax.Array:
+    """Causal self-attention of each window's tokens; [T, H, Dh] like `paged_attention`."""
+    T = q.shape[0]
+    offsets = jnp.arange(window_len)
+    idx = windows.start[:, None] + offsets[None, :]  # [W, Q]
+    in_window = offsets[None, :] < windows.length[:, None]
+    safe_idx = jnp.where(in_window, idx, 0)
+    lengths = jnp.maximum(windows.length, 1).astype(jnp.int32)
+    out = jax.nn.dot_product_attention(
+        q[safe_idx],
+        k_new[safe_idx],
+        v_new[safe_idx],
+        is_causal=True,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation=implementation,
+    )  # [W, Q, H, Dh]
+    target = jnp.where(in_window, idx, T).reshape(-1)
+    flat = out.reshape(-1, *out.shape[2:]).astype(q.dtype)
+    return jnp.zeros_like(q).at[target].set(flat, mode="drop")
+
+
+def fused_attention_available(dtype: str) -> bool:
+    """cuDNN's flash attention runs on NVIDIA GPUs in half precision."""
+    return jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16")
+
+
+def chunk_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    positions: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    windows: Windows,
+    *,
+    window_len: int,
+    n_ctx_pages: int,
+    implementation: str | None,
+) -> jax.Array:
+    """Prompt-chunk attention: fused when no window has cached context, else the reference."""
+    first = positions[windows.start]
+    no_context = jnp.all((windows.length == 0) | (first == 0))
+
+    def fused() -> jax.Array:
+        return fresh_causal_attention(q, k_new, v_new, windows, window_len=window_len, implementation=implementation)
+
+    def reference() -> jax.Array:
+        return paged_attention(
+            q, k_new, v_new, positions, k_pages, v_pages, page_table, windows,
+            window_len=window_len, n_ctx_pages=n_ctx_pages,
+        )
+
+    return jax.lax.cond(no_context, fused, reference)
