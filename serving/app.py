@@ -57,16 +57,13 @@ class Server:
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Loads the model and starts the worker (which warms up); runs on its own thread."""
-        from jaxllm.engine import EngineConfig
         from jaxllm.state import kv_bytes_per_page
 
         try:
             started = time.perf_counter()
             self.model = self.loader()
             e = self.settings.current.engine
-            self.engine = self.model.engine(EngineConfig(
-                max_slots=e.max_slots, kv_bytes=e.kv_mib << 20, max_seq_len=e.max_seq_len, page_size=e.page_size,
-                chunk_buckets=tuple(e.chunk_buckets), decode_steps_per_call=e.decode_steps_per_call))
+            self.engine = self.model.engine(e.engine_config())
             cfg = self.model.cfg
             engine = self.engine
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Server cases of the GPU plan, through HTTP (called by benchmarks/gpu.sh with the project installed).
+# Random bf16 weights at real shapes with the synthetic tokenizer; prompts as token ids.
+set -uo pipefail
+out=${1:-/tmp/jaxllm-bench}
+port=8000
+
+serve_and_bench() {  # name, serve args..., then "--" and bench args lists via globals
+  local name=$1; shift
+  local t0=$(date +%s.%N)
+  python3 -m serving.cli serve --port $port "$@" > "$out/serve-$name.log" 2>&1 &
+  local pid=$!
+  until curl -sf localhost:$port/health > /dev/null; do
+    kill -0 $pid 2>/dev/null || { echo "server $name died"; tail -20 "$out/serve-$name.log"; return 1; }
+    sleep 1
+  done
+  echo "$name: ready in $(echo "$(date +%s.%N) - $t0" | bc) s (load + warm-up of every bucket)"
+  echo $pid > "$out/pid"
+}
+
+stop() { kill "$(cat "$out/pid")" 2>/dev/null; wait "$(cat "$out/pid")" 2>/dev/null; }
+
+bench() {  # label, bench-serve args...
+  local label=$1; shift
+  echo "== $label"
+  python3 -m serving.cli bench-serve --port $port --server-pid "$(cat "$out/pid")" --json "$out/$label.json" "$@" 2>&1 | tail -25
+}
+
+serve_and_bench llama3-8b --load-format dummy --model configs/llama3-8b.json --dtype bfloat16 --unroll-layers \
+  --config configs/gpu-llama3-8b.toml || exit 1
+bench 8b-single-1k --vocab-size 128256 --input-len 1000 --output-len 128 --concurrency 1 --num-prompts 4
+bench 8b-prefill-2k --vocab-size 128256 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts 4
+bench 8b-64x1k --vocab-size 128256 --input-len 1024 --output-len 1024 --concurrency 64 --num-prompts 128
+stop
+
+serve_and_bench smollm2 --load-format dummy --model configs/smollm2-135m.json --unroll-layers || exit 1
+bench smollm2-single --vocab-size 49152 --input-len 128 --output-len 256 --concurrency 1 --num-prompts 4
+stop
