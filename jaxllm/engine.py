@@ -137,6 +137,8 @@ class Engine:
         self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence
         self._ids = itertools.count()
+        # Tokens routed to each expert since start, [L, E] ([L, 0] for dense models).
+        self.expert_tokens = np.zeros((cfg.n_layers, cfg.n_experts if cfg.is_moe else 0), np.int64)
         self._seed_counter = itertools.count(1)
 
     # ---- capacity ---------------------------------------------------------------------
@@ -413,6 +415,8 @@ class Engine:
     def collect(self, handle: Round) -> list[TokenEvent]:
         """Reads a launched round (one device_get) and appends its tokens to the sequences."""
         out = jax.device_get(handle.output)
+        experts = out.expert_tokens
+        self.expert_tokens += experts.sum(axis=0) if handle.multi else experts
         steps_out = (
             [jax.tree.map(lambda x: x[i], out) for i in range(out.tokens.shape[0])] if handle.multi else [out]
         )
@@ -449,5 +453,3 @@ class Engine:
         handle = self.launch(prefill_budget=prefill_budget)
         return [] if handle is None else self.collect(handle)
 
-    def expert_tokens(self, handle: Round) -> np.ndarray:
-        return np.asarray(jax.device_get(handle.output.expert_tokens))

@@ -626,7 +626,26 @@ class Scheduler:
             "prefix_cache": cs,
             "sessions": sess,
             "compilations": self.compiles.count,
+            "expert_activity": expert_activity(getattr(self.engine, "expert_tokens", None)),
         }
+
+
+def expert_activity(tokens: np.ndarray | None) -> dict | None:
+    """Expert load for MoE models: tokens routed per expert (summed over layers) and balance."""
+    if tokens is None or tokens.size == 0:
+        return None
+    per_expert = tokens.sum(axis=0)
+    total = int(per_expert.sum())
+    per_layer = tokens.sum(axis=1)
+    return {
+        "tokens_routed": total,
+        "per_expert": per_expert.tolist(),
+        "idle_experts": int((per_expert == 0).sum()),
+        # Max/mean load per layer: 1.0 is perfectly balanced routing.
+        "max_over_mean_per_layer": [
+            float(row.max() / max(row.mean(), 1e-9)) for row in tokens
+        ] if per_layer.any() else [],
+    }
 
 
 class _ResponseTooLarge(Exception):

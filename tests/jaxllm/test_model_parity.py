@@ -114,3 +114,15 @@ def test_mixed_ragged_batch_equals_each_alone(tiny_models):
     for a, b in zip(alone, seqs):
         assert a.generated == b.generated
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_moe_step_reports_tokens_per_expert(tiny_models):
+    """Every token fed to the model is routed to top-k experts in every layer, and counted once."""
+    cfg, params = load_model(tiny_models["qwen3_moe"], progress=False)
+    engine = _engine(cfg, params, decode_steps_per_call=4)
+    seq = _run_alone(engine, PROMPT, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    fed = len(PROMPT) + len(seq.generated) - 1  # the last drawn token is never fed back
+    counts = engine.expert_tokens
+    assert counts.shape == (cfg.n_layers, cfg.n_experts)
+    np.testing.assert_array_equal(counts.sum(axis=1), cfg.n_experts_per_token * fed)
+    assert (counts > 0).sum() > cfg.n_experts_per_token  # routing spreads over experts

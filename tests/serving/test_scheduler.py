@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from jaxllm.prefix_cache import PrefixCache
@@ -320,3 +321,14 @@ def test_prefix_cache_longest_match_lru_ttl():
     assert not cache.contains(prompt[:10]) and cache.stats.evictions == 1
     clock.t = 11
     assert cache.expire() == 3 and len(cache) == 0 and cache.nbytes == 0
+
+
+def test_expert_activity_summary():
+    from serving.scheduler import expert_activity
+
+    assert expert_activity(None) is None
+    assert expert_activity(np.zeros((2, 0), np.int64)) is None
+    summary = expert_activity(np.array([[3, 1, 0, 0], [1, 1, 1, 1]]))
+    assert summary["tokens_routed"] == 8 and summary["per_expert"] == [4, 2, 1, 1]
+    assert summary["idle_experts"] == 0
+    assert summary["max_over_mean_per_layer"] == [3.0, 1.0]
