@@ -129,8 +129,12 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
                     res.error = str(chunk["error"])
                     return res
                 now = time.perf_counter() - started
-                # A content chunk: text, or the finish (whose text may be held back until then).
-                if any(c.get("text") or c.get("finish_reason") for c in chunk.get("choices") or []):
+                # Content chunks carry text; a text-less finish chunk counts only when no text
+                # came at all (else it would add a ~0 ms gap to the ITL after the last token).
+                choices = chunk.get("choices") or []
+                if any(c.get("text") for c in choices):
+                    res.chunk_times.append(now)
+                elif any(c.get("finish_reason") for c in choices) and not res.chunk_times:
                     res.chunk_times.append(now)
                 if chunk.get("usage"):
                     res.output_tokens = int(chunk["usage"]["completion_tokens"])
