@@ -312,15 +312,11 @@ def _serve_arg(args: argparse.Namespace, name: str) -> str | None:
 
 def engine_config_from_settings(config: str | None) -> Any:
     """The EngineConfig the server builds from its settings file (same shapes, same step count)."""
-    from jaxllm.engine import EngineConfig
     from serving.settings import load_settings
 
     if config is None and Path("configs/server.toml").exists():
         config = "configs/server.toml"
-    e = load_settings(config).engine
-    return EngineConfig(max_slots=e.max_slots, kv_bytes=e.kv_mib << 20, max_seq_len=e.max_seq_len,
-                        page_size=e.page_size, chunk_buckets=tuple(e.chunk_buckets),
-                        decode_steps_per_call=e.decode_steps_per_call)
+    return load_settings(config).engine.engine_config()
 
 
 def time_engine_decode(engine: Any, prompt: list[int], output_len: int) -> float:
