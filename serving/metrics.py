@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, generate_latest
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc., for remote benchmarks
         self.requests = Counter("jaxllm_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.http_errors = Counter("jaxllm_http_errors", "Error responses by status", ["status"], registry=r)
         self.prompt_tokens = Counter("jaxllm_prompt_tokens", "Prompt tokens admitted", registry=r)

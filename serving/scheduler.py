@@ -397,14 +397,18 @@ class Scheduler:
         elapsed = self.clock() - started
         self.totals["rounds"] += 1
         prefill_tokens = handle.prefill_tokens
+        no_compile = self.compiles.count == compiles
         if prefill_tokens:
-            if self.compiles.count == compiles:
+            if no_compile:
                 self.pacer.observe(prefill_tokens, elapsed)
             self.totals["prefill_seconds"] += elapsed
             self.metrics.prefill_seconds.inc(elapsed)
             if owner is not None:
                 owner.prefill_seconds += elapsed
         else:
+            if no_compile:
+                steps = self.engine.config.decode_steps_per_call if handle.multi else 1
+                self.pacer.observe_decode(elapsed / steps)
             self.totals["decode_seconds"] += elapsed
             self.metrics.decode_seconds.inc(elapsed)
         decoding = {id(a): a for a, c in in_round if c.seq is not None and c.seq.prefilled >= len(c.seq.prompt)}

@@ -332,3 +332,13 @@ def test_expert_activity_summary():
     assert summary["tokens_routed"] == 8 and summary["per_expert"] == [4, 2, 1, 1]
     assert summary["idle_experts"] == 0
     assert summary["max_over_mean_per_layer"] == [3.0, 1.0]
+
+
+def test_pacer_discounts_the_decode_step_riding_in_mixed_rounds():
+    """A mixed round = one decode step + the chunk; only the chunk's share sets the rate."""
+    p = ChunkPacer(512, 0.05, min_chunk=16)
+    for _ in range(20):
+        p.observe_decode(0.100)  # decode steps of the other requests: 100 ms each
+        p.observe(64, 0.100 + 64 / 1000)  # the chunk itself runs at 1000 tok/s
+    assert abs(p.rate - 1000) < 1
+    assert p.tokens(contended=True) == 50  # 0.05 s of prompt work, not the floor
