@@ -22,7 +22,6 @@ from jaxllm.loading import load_model
 from jaxllm.model.forward import lm_head
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingParams
-from jaxllm import steps
 from jaxllm.state import StateLayout, page_row
 from jaxllm.tokenizer import Tokenizer
 

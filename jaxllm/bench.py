@@ -20,9 +20,8 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -472,7 +471,7 @@ def _rows(r: dict) -> list[list[str]]:
         elif llama and c == llama["sequential_n"]:
             theirs = f"{llama['sequential_decode_tok_s']:.1f} (one after another)"
         rows.append([f"decode tok/s, {c} stream(s), total", f"{run['decode_tok_s']:.1f}", theirs])
-        rows.append([f"  decode steps/s as % of bandwidth bound", f"{100 * run['fraction_of_bound']:.0f}%",
+        rows.append(["  decode steps/s as % of bandwidth bound", f"{100 * run['fraction_of_bound']:.0f}%",
                      f"{100 * llama['decode_tok_s'] / r['bandwidth']['max_decode_tok_s']:.0f}% (of f32 bound)"
                      if llama and c == 1 else na])
         e2e_theirs = f"{llama['sequential_e2e_tok_s']:.1f} (one after another)" if llama and c == llama["sequential_n"] else na

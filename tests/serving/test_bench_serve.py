@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import requests
 
 from serving import bench_serve
 from serving.cli import _alias_bench_serve, build_parser, main
+from tests.serving.launch import running_server
 
 KEY = "bench-key"
 CONFIG = """
@@ -29,39 +23,13 @@ kv_mib = 8
 max_seq_len = 256
 chunk_buckets = [32]
 """
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_server")
-    config = tmp / "server.toml"
-    config.write_text(CONFIG)
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache/jaxllm/xla"))}
-    log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.serving.tiny_server", "--port", str(port), "--config", str(config),
-                             "--api-key", KEY], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, (tmp / "server.log").read_text()
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.2)
-    yield dict(port=port, proc=proc, config=config, tmp=tmp)
-    proc.terminate()
-    proc.wait(30)
+    with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp, CONFIG, health_timeout=240) as s:
+        yield s
 
 
 def test_bench_serve_json(server, capsys):

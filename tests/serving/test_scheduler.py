@@ -52,6 +52,7 @@ class FakeEngine:
         self.fail_next = False
 
     max_context = 1000
+    config = SimpleNamespace(decode_steps_per_call=1)
 
     def pages_needed(self, n: int) -> int:
         return -(-n // self.layout.page_size)
@@ -97,7 +98,7 @@ class FakeEngine:
             s.prefilled += n
             if s.prefilled == len(s.prompt):
                 decoding.append(s)
-        return SimpleNamespace(prefill_tokens=n, decoding=decoding)
+        return SimpleNamespace(prefill_tokens=n, decoding=decoding, multi=False)
 
     def collect(self, handle):
         events = []

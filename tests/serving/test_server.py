@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import requests
 import openai
 import pytest
+from tests.serving.launch import running_server
 
 KEY = "test-key"
 CONFIG = """
@@ -28,40 +24,13 @@ kv_mib = 8
 max_seq_len = 512
 chunk_buckets = [32, 128]
 """
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
-    config = tmp / "server.toml"
-    config.write_text(CONFIG.format(active=8))
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache/jaxllm/xla"))}
-    log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.serving.tiny_server", "--port", str(port), "--config", str(config),
-                             "--api-key", KEY], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-            assert proc.poll() is None, (tmp / "server.log").read_text()
-            try:
-                if requests.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "server never became healthy"
-            time.sleep(0.2)
-    yield dict(base=base, config=config, log=tmp / "server.log", proc=proc)
-    proc.terminate()
-    proc.wait(30)
+    with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp, CONFIG.format(active=8), health_timeout=240) as s:
+        yield s
 
 
 @pytest.fixture

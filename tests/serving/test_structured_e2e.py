@@ -7,19 +7,12 @@ returns arguments and documents that validate; a full tool round trip completes.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
-import requests
+from tests.serving.launch import running_server
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """
 [limits]
 active_requests = 4
@@ -58,38 +51,12 @@ PERSON = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
     tmp = tmp_path_factory.mktemp("smollm2_server")
-    config = tmp / "server.toml"
-    config.write_text(CONFIG)
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache/jaxllm/xla"))}
-    log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--model", str(smollm2_gguf_path),
-                             "--served-model-name", "smollm2", "--port", str(port), "--config", str(config)],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, (tmp / "server.log").read_text()
-        try:
-            if requests.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.2)
-    yield dict(base=base, log=tmp / "server.log")
-    proc.terminate()
-    proc.wait(30)
+    args = ["serving.cli", "serve", "--model", str(smollm2_gguf_path), "--served-model-name", "smollm2"]
+    with running_server(args, tmp, CONFIG) as s:
+        yield s
 
 
 @pytest.fixture
