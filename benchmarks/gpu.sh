@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 if [[ $what == engine || $what == all ]]; then
-  python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json --out "$out/engine.json" ${ENGINE_ARGS:-} 2>&1 | tee "$out/engine.log" | grep -v "^ "
+  python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json --out "$out/engine.json" ${ENGINE_ARGS:-} 2>&1 | grep -v "^ "
 fi
 
 if [[ $what == serve || $what == all ]]; then

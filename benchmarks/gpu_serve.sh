@@ -5,25 +5,25 @@ set -uo pipefail
 out=${1:-/tmp/jaxllm-bench}
 port=8000
 
-serve_and_bench() {  # name, serve args..., then "--" and bench args lists via globals
+serve_and_bench() {  # name, then `jaxllm serve` arguments
   local name=$1; shift
-  local t0=$(date +%s.%N)
+  local t0=$SECONDS
   python3 -m serving.cli serve --port $port "$@" > "$out/serve-$name.log" 2>&1 &
   local pid=$!
-  until curl -sf localhost:$port/health > /dev/null; do
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; do
     kill -0 $pid 2>/dev/null || { echo "server $name died"; tail -20 "$out/serve-$name.log"; return 1; }
     sleep 1
   done
-  echo "$name: ready in $(echo "$(date +%s.%N) - $t0" | bc) s (load + warm-up of every bucket)"
-  echo $pid > "$out/pid"
+  echo "$name: ready in $((SECONDS - t0)) s (load + warm-up of every bucket)"
+  echo $pid > /tmp/jaxllm-serve.pid
 }
 
-stop() { kill "$(cat "$out/pid")" 2>/dev/null; wait "$(cat "$out/pid")" 2>/dev/null; }
+stop() { kill "$(cat /tmp/jaxllm-serve.pid)" 2>/dev/null; wait "$(cat /tmp/jaxllm-serve.pid)" 2>/dev/null; }
 
 bench() {  # label, bench-serve args...
   local label=$1; shift
   echo "== $label"
-  python3 -m serving.cli bench-serve --port $port --server-pid "$(cat "$out/pid")" --json "$out/$label.json" "$@" 2>&1 | tail -25
+  python3 -m serving.cli bench-serve --port $port --server-pid "$(cat /tmp/jaxllm-serve.pid)" --json "$out/$label.json" "$@" 2>&1 | tail -25
 }
 
 serve_and_bench llama3-8b --load-format dummy --model configs/llama3-8b.json --dtype bfloat16 --unroll-layers \
