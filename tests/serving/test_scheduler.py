@@ -343,3 +343,26 @@ def test_pacer_discounts_the_decode_step_riding_in_mixed_rounds():
         p.observe(64, 0.100 + 64 / 1000)  # the chunk itself runs at 1000 tok/s
     assert abs(p.rate - 1000) < 1
     assert p.tokens(contended=True) == 50  # 0.05 s of prompt work, not the floor
+
+
+def test_worker_death_is_never_silent(loop):
+    """A fatal error outside a round kills the thread loudly: requests get an error, health sees
+    `dead`, and the on_death hook (which makes the process exit non-zero) runs."""
+    engine = FakeEngine()
+    died = []
+    store = SettingsStore(Settings(limits=Limits()))
+    sched = Scheduler(engine, FakeTok(), store, Metrics(), SessionStore(60), bytes_per_page=1, vocab=1000,
+                      clock=Clock(), on_death=died.append)
+
+    def broken_next_prefill():  # planning happens outside the round's error handling
+        raise MemoryError("host out of memory")
+
+    engine.next_prefill = broken_next_prefill
+    j = job(sched, loop, "a")
+    sched.start()
+    sched._thread.join(10)
+    assert not sched._thread.is_alive()
+    assert isinstance(sched.dead, MemoryError) and died and died[0] is sched.dead
+    assert sched.ready is False
+    errors = [f for f in frames(loop, j) if isinstance(f, Error)]
+    assert errors and errors[0].status == 503 and "worker died" in errors[0].message
