@@ -41,6 +41,13 @@ class EngineConfig:
     chunk_buckets: tuple[int, ...] = (32, 128, 512)
     min_ctx_pages: int = 8
     decode_steps_per_call: int = 4
+    # Widths of a round's decode part (slots [0, width) ); rounds use the smallest that
+    # covers every decoding slot, so a lone request does not pay for idle slots. Each width
+    # multiplies the compiled variants; () means just max_slots.
+    decode_widths: tuple[int, ...] = ()
+
+    def widths(self) -> tuple[int, ...]:
+        return tuple(sorted({w for w in self.decode_widths if 0 < w < self.max_slots} | {self.max_slots}))
 
 
 @dataclasses.dataclass
@@ -270,16 +277,18 @@ class Engine:
         idle = steps.round_inputs(B, self.cfg.vocab_size)
         count = 0
         chunk_sizes = [0] + list(self.config.chunk_buckets)
-        for ctx in self.ctx_buckets():
+        for ctx, width in itertools.product(self.ctx_buckets(), self.config.widths()):
             for size in chunk_sizes:
                 chunk = self._idle_chunk(size)
                 self.state, _ = steps.step(
-                    self.params, self.state, idle, chunk, cfg=self.cfg, chunk_len=max(size, 1), n_ctx_pages=ctx
+                    self.params, self.state, idle, chunk, cfg=self.cfg, chunk_len=max(size, 1), n_ctx_pages=ctx,
+                    decode_width=width,
                 )
                 count += 1
             if self.config.decode_steps_per_call > 1:
                 self.state, _ = steps.decode_steps(
-                    self.params, self.state, idle, cfg=self.cfg, n_steps=self.config.decode_steps_per_call, n_ctx_pages=ctx
+                    self.params, self.state, idle, cfg=self.cfg, n_steps=self.config.decode_steps_per_call,
+                    n_ctx_pages=ctx, decode_width=width,
                 )
                 count += 1
         for n_pages in [1, 2, 4] + self.ctx_buckets():
@@ -342,7 +351,8 @@ class Engine:
             for s in decoding:
                 s.dispatched += 1 if s.constraint is not None else n
             self.state, out = steps.decode_steps(
-                self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx
+                self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx,
+                decode_width=self._decode_width(decoding),
             )
             return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 
@@ -363,6 +373,7 @@ class Engine:
             cfg=self.cfg,
             chunk_len=chunk_len,
             n_ctx_pages=self._ctx_pages(ctx_needed),
+            decode_width=self._decode_width(decoding),
         )
         return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt,
                      prefill_seq_id=owner.id if owner else None)
@@ -374,6 +385,11 @@ class Engine:
             if s.constraint is not None:
                 inputs.token_mask[s.slot] = s.constraint.allowed_bitmask()
                 inputs.constrained[s.slot] = True
+
+    def _decode_width(self, decoding: list[Sequence]) -> int:
+        """The smallest configured decode width covering every decoding slot."""
+        top = max((s.slot for s in decoding), default=-1) + 1
+        return next(w for w in self.config.widths() if w >= top)
 
     def _ctx_pages(self, n_positions: int) -> int:
         pages = max(self.layout.pages_for(n_positions), self.config.min_ctx_pages)

@@ -86,27 +86,31 @@ def _round(
     cfg: ModelConfig,
     chunk_len: int,
     n_ctx_pages: int,
+    decode_width: int,
 ) -> tuple[DecodeState, StepOutput]:
     B = state.lengths.shape[0]
+    Wd = decode_width  # the decode part covers slots [0, Wd): idle slots past it cost nothing
     rows = jnp.arange(B)
-    decoding = inputs.decode_mask & ~state.done
+    decoding = inputs.decode_mask & ~state.done & (rows < Wd)
     trash = B
+    d = slice(0, Wd)
 
     batch = TokenBatch(
-        tokens=jnp.concatenate([state.last_token, chunk.tokens]),
-        slots=jnp.concatenate([jnp.where(decoding, rows, trash), chunk.slots]),
-        positions=jnp.concatenate([jnp.where(decoding, state.lengths, 0), chunk.positions]),
-        decode=Windows(slot=rows, start=rows, length=decoding.astype(jnp.int32)),
-        chunks=Windows(slot=chunk.seg_slot, start=B + chunk.seg_start, length=chunk.seg_len),
+        tokens=jnp.concatenate([state.last_token[d], chunk.tokens]),
+        slots=jnp.concatenate([jnp.where(decoding, rows, trash)[d], chunk.slots]),
+        positions=jnp.concatenate([jnp.where(decoding, state.lengths, 0)[d], chunk.positions]),
+        decode=Windows(slot=rows[d], start=rows[d], length=decoding[d].astype(jnp.int32)),
+        chunks=Windows(slot=chunk.seg_slot, start=Wd + chunk.seg_start, length=chunk.seg_len),
     )
     hidden, kv, experts = forward(
         params, cfg, batch, state.kv, state.page_table, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages
     )
 
     # Which flat row gives each slot its next token: its decode token, or its last prompt token.
-    seg_last = B + chunk.seg_start + chunk.seg_len - 1
+    seg_last = Wd + chunk.seg_start + chunk.seg_len - 1
     seg_target = jnp.where(chunk.seg_samples & (chunk.seg_len > 0), chunk.seg_slot, B)
-    sample_row = rows.at[seg_target].set(seg_last, mode="drop")
+    # Slots past the decode part draw nothing unless a chunk ends there; clamp their row.
+    sample_row = jnp.minimum(rows, Wd - 1).at[seg_target].set(seg_last, mode="drop")
     sampled = decoding.at[seg_target].set(True, mode="drop")
 
     chunk_end = jnp.where(chunk.seg_len > 0, chunk.seg_slot, B)
@@ -148,7 +152,9 @@ def _round(
     return new_state, out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "chunk_len", "n_ctx_pages"), donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "chunk_len", "n_ctx_pages", "decode_width"), donate_argnames=("state",)
+)
 def step(
     params: Params,
     state: DecodeState,
@@ -158,12 +164,18 @@ def step(
     cfg: ModelConfig,
     chunk_len: int,
     n_ctx_pages: int,
+    decode_width: int,
 ) -> tuple[DecodeState, StepOutput]:
-    """One round: decode tokens of `inputs.decode_mask` slots plus `chunk`'s prompt tokens."""
-    return _round(params, state, inputs, chunk, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
+    """One round: decode tokens of `inputs.decode_mask` slots (all below `decode_width`)
+    plus `chunk`'s prompt tokens."""
+    return _round(
+        params, state, inputs, chunk, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages, decode_width=decode_width
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "n_ctx_pages"), donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width"), donate_argnames=("state",)
+)
 def decode_steps(
     params: Params,
     state: DecodeState,
@@ -172,6 +184,7 @@ def decode_steps(
     cfg: ModelConfig,
     n_steps: int,
     n_ctx_pages: int,
+    decode_width: int,
 ) -> tuple[DecodeState, StepOutput]:
     """`n_steps` decode-only rounds in one call; outputs stacked on a leading [n_steps] axis.
 
@@ -183,7 +196,9 @@ def decode_steps(
 
     def body(state, first):
         step_inputs = jax.tree.map(lambda a, b: jnp.where(first, a, b), inputs, later)
-        return _round(params, state, step_inputs, chunk, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages)
+        return _round(
+            params, state, step_inputs, chunk, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages, decode_width=decode_width
+        )
 
     return jax.lax.scan(body, state, jnp.arange(n_steps) == 0)
 

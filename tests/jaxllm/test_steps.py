@@ -27,9 +27,9 @@ def params():
     return jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, dummy_params(CFG, seed=1))
 
 
-def make_engine(params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32)) -> Engine:
+def make_engine(params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32), decode_widths=(1, 2)) -> Engine:
     config = EngineConfig(max_slots=slots, kv_bytes=1 << 20, max_seq_len=128, chunk_buckets=chunk_buckets,
-                          min_ctx_pages=2, decode_steps_per_call=steps_per_call)
+                          min_ctx_pages=2, decode_steps_per_call=steps_per_call, decode_widths=decode_widths)
     return Engine(CFG, params, eos_ids=[0], config=config)
 
 
@@ -47,7 +47,7 @@ def test_seeded_sample_same_in_any_slot_beside_any_neighbours(params):
     (ref,) = [alone.add(PROMPT, SAMPLED)]
     run_until_done(alone, [ref])
 
-    crowded = make_engine(params, steps_per_call=4)
+    crowded = make_engine(params, steps_per_call=4, decode_widths=())  # full width beside neighbours
     neighbours = [
         crowded.add([1, 2, 3], SamplingParams(temperature=0.7, seed=1, max_tokens=30, ignore_eos=True)),
         crowded.add(PROMPT[::-1], SamplingParams(temperature=0, max_tokens=5)),
