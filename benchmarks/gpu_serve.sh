@@ -26,13 +26,19 @@ bench() {  # label, bench-serve args...
   python3 -m serving.cli bench-serve --port $port --server-pid "$(cat /tmp/jaxllm-serve.pid)" --json "$out/$label.json" "$@" 2>&1 | tail -25
 }
 
+cases=${SERVE_CASES:-8b,135m}  # which servers to run
+
+if [[ $cases == *8b* ]]; then
 serve_and_bench llama3-8b --load-format dummy --model configs/llama3-8b.json --dtype bfloat16 --unroll-layers \
   --config configs/gpu-llama3-8b.toml || exit 1
 bench 8b-single-1k --vocab-size 128256 --input-len 1000 --output-len 128 --concurrency 1 --num-prompts 4
 bench 8b-prefill-2k --vocab-size 128256 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts 4
 bench 8b-64x1k --vocab-size 128256 --input-len 1024 --output-len 1024 --concurrency 64 --num-prompts 128
 stop
+fi
 
+if [[ $cases == *135m* ]]; then
 serve_and_bench smollm2 --load-format dummy --model configs/smollm2-135m.json --unroll-layers || exit 1
 bench smollm2-single --vocab-size 49152 --input-len 128 --output-len 256 --concurrency 1 --num-prompts 4
 stop
+fi
