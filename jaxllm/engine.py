@@ -13,10 +13,13 @@ read to plan a round.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import os
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -45,6 +48,8 @@ class EngineConfig:
     # covers every decoding slot, so a lone request does not pay for idle slots. Each width
     # multiplies the compiled variants; () means just max_slots.
     decode_widths: tuple[int, ...] = ()
+    # Threads compiling shape variants during warm-up (XLA compiles release the GIL); 0 = auto.
+    compile_threads: int = 0
 
     def widths(self) -> tuple[int, ...]:
         return tuple(sorted({w for w in self.decode_widths if 0 < w < self.max_slots} | {self.max_slots}))
@@ -147,6 +152,9 @@ class Engine:
         # Tokens routed to each expert since start, [L, E] ([L, 0] for dense models).
         self.expert_tokens = np.zeros((cfg.n_layers, cfg.n_experts if cfg.is_moe else 0), np.int64)
         self._seed_counter = itertools.count(1)
+        # Ahead-of-time compiled round variants keyed by their static shape arguments
+        # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
+        self._compiled: dict[tuple, Callable[..., Any]] = {}
 
     # ---- capacity ---------------------------------------------------------------------
     @property
@@ -265,39 +273,47 @@ class Engine:
                 return out
             pages = pages_bucket(pages + 1, self.layout.max_pages_per_seq)
 
-    def warmup(self) -> int:
-        """Compiles every shape bucket by running it on idle slots; returns the variants run.
+    def _round_variants(self) -> list[tuple[tuple, Callable[[], Any]]]:
+        """(key, lowering thunk) for every round shape `launch` can ask for."""
+        B = self.layout.max_slots
+        idle = steps.round_inputs(B, self.cfg.vocab_size)
+        out: list[tuple[tuple, Callable[[], Any]]] = []
+        n = self.config.decode_steps_per_call
+        for ctx, width in itertools.product(self.ctx_buckets(), self.config.widths()):
+            for size in [0] + list(self.config.chunk_buckets):
+                chunk_len = max(size, 1)
+                out.append((("step", chunk_len, ctx, width), lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width:
+                            steps.step.lower(self.params, self.state, idle, self._idle_chunk(size), cfg=self.cfg,
+                                             chunk_len=chunk_len, n_ctx_pages=ctx, decode_width=width)))
+            if n > 1:
+                out.append((("decode", n, ctx, width), lambda ctx=ctx, width=width:
+                            steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, n_steps=n,
+                                                     n_ctx_pages=ctx, decode_width=width)))
+        return out
 
-        Idle rounds write only to the trash page, so the state is unchanged for live use.
-        Must be called before any sequence is added.
+    def warmup(self) -> int:
+        """Compiles every shape variant before the first request; returns how many.
+
+        Round variants are lowered here and compiled ahead of time on a thread pool (an
+        unrolled 8B step takes seconds of XLA time each, and compiles release the GIL); rounds
+        then call the compiled executables directly. The small sequence moves (set / release /
+        extract / insert) are warmed by running them on slot 0, which leaves the state as it
+        was. Must be called before any sequence is added.
         """
         if self.seqs:
             raise RuntimeError("warmup must run on an empty engine")
-        B = self.layout.max_slots
-        idle = steps.round_inputs(B, self.cfg.vocab_size)
-        count = 0
-        chunk_sizes = [0] + list(self.config.chunk_buckets)
-        for ctx, width in itertools.product(self.ctx_buckets(), self.config.widths()):
-            for size in chunk_sizes:
-                chunk = self._idle_chunk(size)
-                self.state, _ = steps.step(
-                    self.params, self.state, idle, chunk, cfg=self.cfg, chunk_len=max(size, 1), n_ctx_pages=ctx,
-                    decode_width=width,
-                )
-                count += 1
-            if self.config.decode_steps_per_call > 1:
-                self.state, _ = steps.decode_steps(
-                    self.params, self.state, idle, cfg=self.cfg, n_steps=self.config.decode_steps_per_call,
-                    n_ctx_pages=ctx, decode_width=width,
-                )
-                count += 1
+        variants = self._round_variants()
+        threads = self.config.compile_threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+            # Lowering traces Python (GIL-bound) so it runs here, feeding compiles to the pool.
+            futures = {key: pool.submit(lower().compile) for key, lower in variants}
+            self._compiled.update({key: f.result() for key, f in futures.items()})
+        count = len(variants)
         for n_pages in [1, 2, 4] + self.ctx_buckets():
             if n_pages <= self.layout.max_pages_per_seq:
                 ckpt = steps.extract(self.state, np.int32(0), n_pages=n_pages)
                 self.state = steps.insert(self.state, np.int32(0), ckpt)
                 count += 1
-        from jaxllm.sampling import sampling_row
-
         row = sampling_row(SamplingParams(), self.cfg.vocab_size, self.eos_ids, np.uint32(0))
         self.state = steps.set_slot(self.state, np.int32(0), np.asarray(page_row([], self.layout)), row)
         self.state = steps.release_slot(self.state, np.int32(0))
@@ -350,10 +366,14 @@ class Engine:
             ctx = self._ctx_pages(max(s.position_bound for s in decoding) + n)
             for s in decoding:
                 s.dispatched += 1 if s.constraint is not None else n
-            self.state, out = steps.decode_steps(
-                self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx,
-                decode_width=self._decode_width(decoding),
-            )
+            width = self._decode_width(decoding)
+            compiled = self._compiled.get(("decode", n, ctx, width))
+            if compiled is not None:
+                self.state, out = compiled(self.params, self.state, inputs)
+            else:
+                self.state, out = steps.decode_steps(
+                    self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx, decode_width=width
+                )
             return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 
         max_chunk = self.config.chunk_buckets[-1]
@@ -365,16 +385,15 @@ class Engine:
         for s in decoding:
             s.dispatched += 1
         chunk_len = int(chunk.tokens.shape[0]) if n_prompt else 1
-        self.state, out = steps.step(
-            self.params,
-            self.state,
-            inputs,
-            chunk,
-            cfg=self.cfg,
-            chunk_len=chunk_len,
-            n_ctx_pages=self._ctx_pages(ctx_needed),
-            decode_width=self._decode_width(decoding),
-        )
+        ctx, width = self._ctx_pages(ctx_needed), self._decode_width(decoding)
+        compiled = self._compiled.get(("step", chunk_len, ctx, width))
+        if compiled is not None:
+            self.state, out = compiled(self.params, self.state, inputs, chunk)
+        else:
+            self.state, out = steps.step(
+                self.params, self.state, inputs, chunk, cfg=self.cfg, chunk_len=chunk_len, n_ctx_pages=ctx,
+                decode_width=width,
+            )
         return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt,
                      prefill_seq_id=owner.id if owner else None)
 
