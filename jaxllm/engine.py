@@ -83,6 +83,13 @@ class Sequence:
         return self.prefilled >= len(self.prompt) and self.finish_reason is None
 
     @property
+    def awaiting_host(self) -> bool:
+        """A constrained sequence whose drawn tokens are not all collected: its next mask
+        needs them, so it sits out rounds launched before that collect."""
+        drawn = self.dispatched + 1  # the first token comes with the last prompt chunk
+        return self.constraint is not None and len(self.generated) < drawn
+
+    @property
     def length(self) -> int:
         return len(self.prompt) + len(self.generated)
 
@@ -347,7 +354,7 @@ class Engine:
         Returns:
           A handle for `collect`, or None when no sequence has work.
         """
-        decoding = [s for s in self.seqs.values() if s.decoding]
+        decoding = [s for s in self.seqs.values() if s.decoding and not s.awaiting_host]
         prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
         if not decoding and not prefilling:
             return None

@@ -7,6 +7,12 @@ swapped in every round. A round is one engine call (every decoding sequence's ne
 plus one paced prompt chunk); a failing round fails only its requests. If the thread dies,
 `on_death` is called (the server turns /health 503 and exits non-zero).
 
+Rounds are pipelined: the worker launches round N+1 before it collects round N, so the
+host's work on round N's tokens (detokenizing, stop strings, tool calls, frames) overlaps
+the device running round N+1. The engine plans round N+1 without round N's tokens: decode
+tokens stay on the device, and a sequence that stopped in round N is skipped there by its
+on-device flag.
+
 Policy (admission order with a bounded starvation wait, reservations within the budget,
 prefill pacing, cancellation at each phase) is plain Python over the `EngineLike` protocol,
 so tests drive it with a fake engine.
@@ -117,6 +123,17 @@ class Choice:
 
 
 @dataclasses.dataclass
+class InFlight:
+    """A launched round not yet collected, with what the host needs to account for it."""
+
+    handle: Any
+    members: list[tuple["Active", Choice]]  # requests with a sequence in the engine at launch
+    owner: "Active | None"  # the request whose prompt chunk rides in the round
+    launched: float
+    compiled: bool  # the launch compiled a new variant (its time says nothing about speed)
+
+
+@dataclasses.dataclass
 class Active:
     job: Job
     choices: list[Choice]
@@ -196,6 +213,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
         self._generation = settings.current.generation
+        self._in_flight: InFlight | None = None
+        self._last_collect = 0.0
 
     # ---- thread ----------------------------------------------------------------------
     def start(self) -> None:
@@ -243,12 +262,14 @@ class Scheduler:
     # ---- one iteration ---------------------------------------------------------------
     def run_once(self, *, block: bool = False) -> None:
         """Intake, cancellations, admission, one round, frames, housekeeping."""
-        idle = not self.pending and not self.active
+        idle = not self.pending and not self.active and self._in_flight is None
         self._intake(block=block and idle)
         self._reap_cancelled()
         self._admit()
-        if self.active:
-            self._round()
+        launched = self._launch() if self.active else None
+        if self._in_flight is not None:
+            self._finish(self._in_flight)
+        self._in_flight = launched
         for a in self.active:
             a.job.output.flush()
         now = self.clock()
@@ -362,7 +383,8 @@ class Scheduler:
         owner = self.by_seq.get(seq.id)
         return seq, owner[0] if owner else None
 
-    def _round(self) -> None:
+    def _launch(self) -> InFlight | None:
+        """Plans and dispatches the next round; returns without waiting for the device."""
         seq, owner = self._prefill_target()
         budget = None
         boundary = None
@@ -376,51 +398,65 @@ class Scheduler:
                 if nxt and nxt[0] - seq.prefilled <= budget:
                     boundary = nxt[0]
                     budget = boundary - seq.prefilled
-        in_round = [self.by_seq[s.id] for s in self.engine.seqs.values() if s.id in self.by_seq]
+        members = [self.by_seq[s.id] for s in self.engine.seqs.values() if s.id in self.by_seq]
         compiles = self.compiles.count
-        started = self.clock()
         try:
             handle = self.engine.launch(prefill_budget=budget)
             if handle is None:
-                return
+                return None
             if boundary is not None and seq.prefilled == boundary:
                 self._checkpoint(seq, boundary)
-            events = self.engine.collect(handle)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
-            self.totals["failed_rounds"] += 1
-            self.metrics.round_failures.inc()
-            log.error("round failed: %s\n%s", e, traceback.format_exc())
-            for a in {id(a): a for a, _ in in_round}.values():
-                if a in self.active:
-                    self._fail(a, f"internal error in the model step: {e}", 500)
+            self._round_failed(members, e)
+            return None
+        return InFlight(handle=handle, members=members, owner=owner if handle.prefill_tokens else None,
+                        launched=self.clock(), compiled=self.compiles.count != compiles)
+
+    def _round_failed(self, members: list[tuple[Active, Choice]], e: Exception) -> None:
+        self.totals["failed_rounds"] += 1
+        self.metrics.round_failures.inc()
+        log.error("round failed: %s\n%s", e, traceback.format_exc())
+        for a in {id(a): a for a, _ in members}.values():
+            if a in self.active:
+                self._fail(a, f"internal error in the model step: {e}", 500)
+
+    def _finish(self, r: InFlight) -> None:
+        """Collects a launched round and turns its tokens into text and frames."""
+        try:
+            events = self.engine.collect(r.handle)
+        except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
+            self._round_failed(r.members, e)
             return
-        elapsed = self.clock() - started
+        now = self.clock()
+        # The device starts a round when it was launched or when the previous one ended,
+        # whichever is later, so this is the round's own time once the pipeline is full.
+        elapsed = now - max(r.launched, self._last_collect)
+        self._last_collect = now
         self.totals["rounds"] += 1
-        prefill_tokens = handle.prefill_tokens
-        no_compile = self.compiles.count == compiles
+        prefill_tokens = r.handle.prefill_tokens
         if prefill_tokens:
-            if no_compile:
+            if not r.compiled:
                 self.pacer.observe(prefill_tokens, elapsed)
             self.totals["prefill_seconds"] += elapsed
             self.metrics.prefill_seconds.inc(elapsed)
-            if owner is not None:
-                owner.prefill_seconds += elapsed
+            if r.owner is not None:
+                r.owner.prefill_seconds += elapsed
         else:
-            if no_compile:
-                steps = self.engine.config.decode_steps_per_call if handle.multi else 1
+            if not r.compiled:
+                steps = self.engine.config.decode_steps_per_call if r.handle.multi else 1
                 self.pacer.observe_decode(elapsed / steps)
             self.totals["decode_seconds"] += elapsed
             self.metrics.decode_seconds.inc(elapsed)
-        decoding = {id(a): a for a, c in in_round if c.seq is not None and c.seq.prefilled >= len(c.seq.prompt)}
+        decoding = {id(a): a for a, c in r.members if c.seq is not None and c.seq.prefilled >= len(c.seq.prompt)}
         for a in decoding.values():
-            if a is not owner or not prefill_tokens:
+            if a is not r.owner:
                 a.decode_seconds += elapsed
         for ev in events:
             entry = self.by_seq.get(ev.seq_id)
-            if entry is None:  # removed (cancelled) after launch
+            if entry is None:  # removed (cancelled or finished) after launch
                 continue
             a, c = entry
-            if a.failed or a not in self.active:
+            if a.failed or a not in self.active or c.finished:  # c.finished: tokens past a stop string
                 continue
             self._on_tokens(a, c, ev)
         for a in list(self.active):

@@ -247,3 +247,47 @@ def test_token_masks_constrain_only_their_slot(params, steps_per_call):
     ref = alone.add(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     run_until_done(alone, [ref])
     assert free.generated == ref.generated
+
+
+def run_pipelined(engine: Engine, seqs) -> None:
+    """Launches round N+1 before collecting round N, as the server's worker does."""
+    in_flight = None
+    while any(s.finish_reason is None for s in seqs):
+        handle = engine.launch()
+        if in_flight is not None:
+            engine.collect(in_flight)
+        in_flight = handle
+    if in_flight is not None:
+        engine.collect(in_flight)
+
+
+class Alternating(AllowList):
+    """A stateful toy grammar: tokens from `first` and `second` must alternate."""
+
+    def __init__(self, first: set[int], second: set[int], vocab_size: int):
+        super().__init__(first, vocab_size)
+        self.masks = [self.bits, AllowList(second, vocab_size).bits]
+
+    def allowed_bitmask(self) -> np.ndarray:
+        return self.masks[len(self.drawn) % 2]
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 4])
+def test_pipelined_rounds_give_the_same_tokens(params, steps_per_call):
+    """Rounds planned before the previous one is read: sequences that stopped on the device
+    are skipped, and a constrained sequence waits for its tokens before its next mask."""
+    engine = make_engine(params, steps_per_call=steps_per_call)
+    constraint = Alternating({11, 12, 13}, {40, 41}, CFG.vocab_size)
+    greedy = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    sampled = engine.add(PROMPT[:4], SAMPLED)
+    forced = engine.add(PROMPT, SamplingParams(temperature=1.5, seed=9, max_tokens=10, ignore_eos=True),
+                        constraint=constraint)
+    run_pipelined(engine, [greedy, sampled, forced])
+
+    assert len(greedy.generated) == 7 and len(sampled.generated) == 20 and len(forced.generated) == 10
+    assert set(forced.generated[0::2]) <= {11, 12, 13} and set(forced.generated[1::2]) <= {40, 41}
+    assert constraint.drawn == forced.generated
+    reference = make_engine(params)
+    expected = [reference.add(PROMPT, greedy.params), reference.add(PROMPT[:4], SAMPLED)]
+    run_until_done(reference, expected)
+    assert [greedy.generated, sampled.generated] == [s.generated for s in expected]

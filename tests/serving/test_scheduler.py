@@ -50,6 +50,8 @@ class FakeEngine:
         self.added: list[list[int]] = []
         self.budgets: list[int | None] = []
         self.fail_next = False
+        self.calls: list[str] = []
+        self.token_offset: dict[int, int] = {}  # seq id -> shift of its tokens
 
     max_context = 1000
     config = SimpleNamespace(decode_steps_per_call=1)
@@ -87,6 +89,7 @@ class FakeEngine:
             self.fail_next = False
             raise RuntimeError("boom")
         self.budgets.append(prefill_budget)
+        self.calls.append("launch")
         decoding = [s for s in self.seqs.values() if s.prefilled >= len(s.prompt) and s.finish_reason is None]
         prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
         if not decoding and not prefilling:
@@ -103,7 +106,10 @@ class FakeEngine:
     def collect(self, handle):
         events = []
         for s in handle.decoding:
-            t = 100 + s.length
+            self.calls.append("collect")
+            if s.finish_reason is not None:
+                continue  # stopped on the device in an earlier round (a removed one still runs)
+            t = 100 + s.length + self.token_offset.get(s.id, 0)
             s.generated.append(t)
             reason = "length" if len(s.generated) >= s.params.max_tokens else None
             s.finish_reason = reason
@@ -195,6 +201,23 @@ def test_tokens_and_usage_worked_out_by_hand(loop):
     assert fin.reason == "length" and fin.text == text
     assert fs[-1].usage["completion_tokens"] == 3 and fs[-1].usage["prompt_tokens"] == 4
     assert sched.reserved == 0 and not engine.seqs
+
+
+def test_rounds_are_pipelined_and_tokens_past_a_stop_are_dropped(loop):
+    sched, engine, _ = make(Limits())
+    j = job(sched, loop, "a", prompt_len=4, max_tokens=6, stop=("<106>",))
+    j.prepared.params.append(SamplingParams(max_tokens=6))  # n = 2; choice 1's tokens never hit the stop
+    engine.token_offset[1] = 50
+    run_until_idle(sched)
+    # Round N+1 is launched before round N is collected.
+    assert engine.calls[:3] == ["launch", "launch", "collect"]
+    fs = frames(loop, j)
+    finishes = sorted((f for f in fs if isinstance(f, Finish)), key=lambda f: f.index)
+    assert [(f.index, f.reason) for f in finishes] == [(0, "stop"), (1, "length")]
+    assert finishes[0].text == "<104><105>"
+    # Choice 0's stop string appeared while a round with its next token was in flight: that
+    # token is dropped, not published or counted.
+    assert fs[-1].usage["completion_tokens"] == 3 + 6
 
 
 def test_budget_and_active_cap_admission_order(loop):
