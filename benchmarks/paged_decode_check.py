@@ -6,6 +6,8 @@ short sequence in the long bucket, which must be cheap), and the 135M model's sh
 float32 and bf16. Prints one row per case: relative error of the output (norm of the
 difference over norm of the reference), median times of kernel and reference, and the
 kernel's effective bandwidth (bytes of K/V actually needed / time). Exits 1 on a mismatch.
+Then a 32-layer scan over a stacked cache (as the forward runs it) compares passing the
+kernel the stack plus a layer index with passing it a slice of the stack.
 
     python benchmarks/paged_decode_check.py               # on the GPU
     python benchmarks/paged_decode_check.py --sweep       # also try the tuning knobs
@@ -76,13 +78,30 @@ def _inputs(case: Case, seed: int = 0):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("n_ctx_pages",))
-def _reference(q, k_new, v_new, k_pages, v_pages, pages, cached_len, *, n_ctx_pages):
+def _reference(q, k_new, v_new, k_pages, v_pages, pages, cached_len):
     W = q.shape[0]
     windows = Windows(slot=jnp.arange(W), start=jnp.arange(W), length=jnp.ones((W,), jnp.int32))
     return paged_attention(
-        q, k_new, v_new, cached_len, k_pages, v_pages, pages, windows, window_len=1, n_ctx_pages=n_ctx_pages
+        q, k_new, v_new, cached_len, k_pages, v_pages, pages, windows, window_len=1, n_ctx_pages=pages.shape[1]
     )
+
+
+def _exact_reference(args: dict) -> jax.Array:
+    """The reference with float32 dots in full precision (XLA would use TF32 on the GPU)."""
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(_reference)(**args)
+
+
+def _chained(fn, n: int):
+    """n calls in one jit, each query the previous output: like the forward's layer loop, so
+    the time per call has no Python dispatch in it."""
+
+    @jax.jit
+    def run(args):
+        rest = {k: v for k, v in args.items() if k != "q"}
+        return jax.lax.fori_loop(0, n, lambda i, q: fn(q=q, **rest).astype(q.dtype), args["q"])
+
+    return run
 
 
 def _median_seconds(fn, reps: int) -> float:
@@ -113,41 +132,91 @@ def _tolerance(dtype: str) -> float:
     return 1e-5 if dtype == "float32" else 2e-2
 
 
-def run_case(case: Case, *, interpret: bool, reps: int, knobs: dict | None = None) -> tuple[float, float, float, float]:
+CHAIN = 10  # calls per jit in the in-jit timing
+
+
+def _in_jit_seconds(fn, args: dict, reps: int) -> float:
+    run = _chained(fn, CHAIN)
+    return _median_seconds(lambda: run(args), reps) / CHAIN
+
+
+def run_case(case: Case, *, interpret: bool, reps: int) -> dict:
+    """Error against the exact reference; per-call (dispatch included) and in-jit times."""
     args = _inputs(case)
-    kernel = functools.partial(paged_decode_attention, interpret=interpret, **(knobs or {}))
-    ours = kernel(**args)
-    ref = _reference(**args, n_ctx_pages=case.n_ctx_pages)
-    err = _rel_err(ours, ref)
-    t_kernel = _median_seconds(lambda: kernel(**args), reps)
-    t_ref = _median_seconds(lambda: _reference(**args, n_ctx_pages=case.n_ctx_pages), reps)
-    gbps = _needed_bytes(case, args["cached_len"]) / t_kernel / 1e9
-    return err, t_kernel, t_ref, gbps
+    kernel = jax.jit(functools.partial(paged_decode_attention, interpret=interpret))
+    reference = jax.jit(_reference)
+    err = _rel_err(kernel(**args), _exact_reference(args))
+    t_kernel = _in_jit_seconds(kernel, args, reps)
+    return dict(
+        err=err,
+        call_kernel=_median_seconds(lambda: kernel(**args), reps),
+        call_ref=_median_seconds(lambda: reference(**args), reps),
+        kernel=t_kernel,
+        ref=_in_jit_seconds(reference, args, reps),
+        gbps=_needed_bytes(case, args["cached_len"]) / t_kernel / 1e9,
+    )
+
+
+def _layer_loop_table(*, interpret: bool, reps: int, small: bool) -> None:
+    """Per-layer time inside a scan over a stacked [L, ...] cache, as the forward runs it:
+    the kernel on the stack with a layer index, on a slice of the stack, and the reference."""
+    L, W, H, K, Dh, n, page, ctx = (4, 3, 4, 2, 32, 8, 16, 100) if small else (32, 64, 32, 8, 128, 64, 16, 1000)
+    dt = jnp.float32 if small else jnp.bfloat16
+    keys = jax.random.split(jax.random.key(1), 5)
+    P = 1 + W * n
+    k_stack = jax.random.normal(keys[0], (L, P, page, K, Dh), dt)
+    v_stack = jax.random.normal(keys[1], (L, P, page, K, Dh), dt)
+    q = jax.random.normal(keys[2], (W, H, Dh), dt)
+    k_new = jax.random.normal(keys[3], (W, K, Dh), dt)
+    v_new = jax.random.normal(keys[4], (W, K, Dh), dt)
+    pages = jnp.asarray((1 + np.random.default_rng(0).permutation(W * n)).reshape(W, n), jnp.int32)
+    cached = jnp.full((W,), ctx, jnp.int32)
+    # Everything goes in as jit arguments: closed-over arrays would be baked in as constants.
+    variants = {
+        "kernel, stack + layer": lambda q, i, ks, vs, small: paged_decode_attention(
+            q, *small[:2], ks, vs, *small[2:], layer=i, interpret=interpret),
+        "kernel, kv[i] slice": lambda q, i, ks, vs, small: paged_decode_attention(
+            q, *small[:2], ks[i], vs[i], *small[2:], interpret=interpret),
+        "reference, kv[i]": lambda q, i, ks, vs, small: _reference(q, *small[:2], ks[i], vs[i], *small[2:]),
+    }
+    print(f"\nlayer loop: scan over {L} layers, W={W}, bucket {n} pages, ctx {ctx} ({jnp.dtype(dt).name}); ms per layer")
+    small_args = (k_new, v_new, pages, cached)
+    for name, attend in variants.items():
+
+        @jax.jit
+        def run(q, ks, vs, small, attend=attend):
+            step = lambda x, i: (attend(x, i, ks, vs, small).astype(x.dtype), None)  # noqa: E731
+            return jax.lax.scan(step, q, jnp.arange(L))[0]
+
+        seconds = _median_seconds(lambda: run(q, k_stack, v_stack, small_args), reps)
+        print(f"  {name:24s} {seconds / L * 1e3:8.4f}")
+    del k_stack, v_stack
 
 
 def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float) -> None:
     """Times the kernel's knobs on the bf16 cases (best five per case), within a time budget."""
     print("\nsweep: fastest settings per case (kernel ms)")
     settings = [
-        dict(pages_per_block=ppb, n_splits=s, num_warps=nw, num_stages=st)
-        for ppb in (2, 4, 8)
-        for s in (None, 1, 4, 16)
-        for nw in (4, 8)
+        dict(pages_per_block=ppb, n_splits=s, num_warps=nw, num_stages=st, grid_order=order)
+        for order in ("hsw", "whs")
+        for ppb in (4, 8, 2)
+        for s in (None, 1, 4)
         for st in (2, 3)
+        for nw in (4, 8)
     ]
     deadline = time.perf_counter() + budget_s
     for case in (c for c in cases if c.dtype == "bfloat16"):
         args = _inputs(case)
-        ref = _reference(**args, n_ctx_pages=case.n_ctx_pages)
+        ref = _exact_reference(args)
         results = []
         for knobs in settings:
             if time.perf_counter() > deadline:
                 print("  (sweep budget spent)")
                 break
-            kernel = functools.partial(paged_decode_attention, interpret=interpret, **knobs)
+            kernel = jax.jit(functools.partial(paged_decode_attention, interpret=interpret, **knobs))
             try:
                 err = _rel_err(kernel(**args), ref)
-                t = _median_seconds(lambda: kernel(**args), reps)
+                t = _in_jit_seconds(kernel, args, reps)
             except Exception as e:  # a setting that does not compile is a finding, not a crash
                 print(f"  {case.name} W={case.W} n={case.n_ctx_pages} {knobs}: failed {type(e).__name__}: {e}"[:300])
                 continue
@@ -162,29 +231,39 @@ def main() -> int:
     parser.add_argument("--interpret", action="store_true", help="run the kernel in the Pallas interpreter")
     parser.add_argument("--small", action="store_true", help="tiny shapes (for --interpret on CPU)")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
+    parser.add_argument("--no-layer-loop", action="store_true", help="skip the 32-layer scan table (8.6 GB of cache)")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's tuning knobs")
     parser.add_argument("--sweep-budget", type=float, default=300.0, help="seconds the sweep may take")
     args = parser.parse_args()
     reps = 3 if args.interpret else args.reps
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), interpret={args.interpret}")
-    header = f"{'case':9s} {'dtype':8s} {'W':>3s} {'bucket':>6s} {'ctx':>5s} {'rel err':>8s} {'kernel ms':>9s} {'ref ms':>8s} {'speedup':>7s} {'GB/s':>6s}"
+    print(f"ms per call: 'in jit' = {CHAIN} chained calls in one jit / {CHAIN} (as in the forward); "
+          "'call' = one jitted call from Python (dispatch included). GB/s = live K/V bytes / kernel in-jit time.")
+    header = (f"{'case':9s} {'dtype':8s} {'W':>3s} {'bucket':>6s} {'ctx':>5s} {'rel err':>8s} {'kernel':>8s} {'ref':>8s} "
+              f"{'speedup':>7s} {'GB/s':>6s} {'call k':>8s} {'call ref':>8s}")
     print(header)
     failed = False
     cases = _cases(args.small)
     for case in cases:
         try:
-            err, t_kernel, t_ref, gbps = run_case(case, interpret=args.interpret, reps=reps)
+            r = run_case(case, interpret=args.interpret, reps=reps)
         except Exception as e:  # report and keep checking the other shapes
             print(f"{case.name:9s} {case.dtype:8s} {case.W:3d} {case.n_ctx_pages:6d}: FAILED {type(e).__name__}: {e}")
             failed = True
             continue
-        bad = not err <= _tolerance(case.dtype)
+        bad = not r["err"] <= _tolerance(case.dtype)
         failed |= bad
         print(
-            f"{case.name:9s} {case.dtype:8s} {case.W:3d} {case.n_ctx_pages:6d} {case.ctx:5d} {err:8.1e} "
-            f"{t_kernel * 1e3:9.4f} {t_ref * 1e3:8.4f} {t_ref / t_kernel:7.1f} {gbps:6.1f}" + ("  MISMATCH" if bad else "")
+            f"{case.name:9s} {case.dtype:8s} {case.W:3d} {case.n_ctx_pages:6d} {case.ctx:5d} {r['err']:8.1e} "
+            f"{r['kernel'] * 1e3:8.4f} {r['ref'] * 1e3:8.4f} {r['ref'] / r['kernel']:7.1f} {r['gbps']:6.0f} "
+            f"{r['call_kernel'] * 1e3:8.4f} {r['call_ref'] * 1e3:8.4f}" + ("  MISMATCH" if bad else "")
         )
+    if not args.no_layer_loop:
+        try:
+            _layer_loop_table(interpret=args.interpret, reps=reps, small=args.small)
+        except Exception as e:  # timing only: report it without hiding the check's verdict
+            print(f"layer loop failed: {type(e).__name__}: {e}"[:500])
     if args.sweep:
         sweep_cases = cases if args.small else [c for c in cases if c.name == "8B" and c.n_ctx_pages == 136]
         _sweep(sweep_cases, interpret=args.interpret, reps=reps, budget_s=args.sweep_budget)

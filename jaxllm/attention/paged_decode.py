@@ -15,7 +15,9 @@ slow. This kernel instead reads each needed K/V page once, straight from the poo
   * a small jnp epilogue merges the splits and the fresh key.
 
 The pool layout is [P, page_size, K, Dh]; the kernel sees it as rows [P * page_size, K * Dh]
-(a free reshape), so one kv head of one position is `Dh` contiguous elements.
+(a free reshape), so one kv head of one position is `Dh` contiguous elements. It also takes
+the whole [L, ...] stack plus a layer index, which a layer loop should pass: a slice of the
+stack as a kernel operand would be copied (the whole layer's pool) before every call.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ except ImportError:  # pragma: no cover
 
 _MASKED = -1e30  # finite: exp(_MASKED - m) is 0 without inf - inf = nan
 _MIN_DOT = 16  # Triton's dot wants every dimension >= 16
-_TARGET_PROGRAMS = 512  # ~4 programs per SM on an H200 (132 SMs) hides load latency
+_TARGET_PROGRAMS = 256  # ~2 programs per SM on an H200 (132 SMs): measured best for W = 8
 _TRASH_PAGE = 0  # page never handed out (see jaxllm.state): dead rows read it, an L2 hit
 
 
@@ -59,10 +61,11 @@ def _cdiv(a: jax.Array, b: int) -> jax.Array:
 
 
 def _decode_kernel(
+    layer_ref,  # [1] i32 layer of the stacked pool (0 for one layer's pool)
     len_ref,  # [W] i32 live cached positions per window
     pages_ref,  # [W, n_pad] i32 page ids (padded with the trash page)
     q_ref,  # [Gp, Dh] this program's query heads
-    k_ref,  # [P * page_size, K * Dh] whole pool
+    k_ref,  # [L * P * page_size, K * Dh] whole pool, every layer
     v_ref,
     o_ref,  # [Gp, Dh] f32 partial output (unnormalised)
     m_ref,  # [Gp] f32 running max
@@ -74,8 +77,10 @@ def _decode_kernel(
     head_dim: int,
     scale: float,
     precision: lax.Precision | None,
+    grid_order: str,
+    pool_rows: int,
 ):
-    w, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    w, h, s = (pl.program_id(grid_order.index(axis)) for axis in "whs")
     length = len_ref[w]
     # lax.div, not //: everything is non-negative, and floor division lowers to more ops.
     n_pages = _cdiv(length, page_size)
@@ -86,6 +91,7 @@ def _decode_kernel(
     n_blocks = _cdiv(my_pages, pages_per_block)
 
     block_rows = pages_per_block * page_size
+    layer_base = layer_ref[0] * pool_rows  # first row of this layer's pool
     row = lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     cols = pl.ds(h * head_dim, head_dim)
     q = q_ref[...]
@@ -98,7 +104,7 @@ def _decode_kernel(
         page = pages_ref[w, lax.div(pos, page_size)]
         # Dead rows (past cached_len) read the trash page: cached, so no HBM traffic.
         page = jnp.where(live, page, _TRASH_PAGE)
-        rows = page * page_size + lax.rem(pos, page_size)
+        rows = layer_base + page * page_size + lax.rem(pos, page_size)
         k = k_ref[rows, cols]  # [block_rows, Dh]
         v = v_ref[rows, cols]
         logits = lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)
@@ -140,7 +146,7 @@ def _merge(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("interpret", "pages_per_block", "n_splits", "num_warps", "num_stages")
+    jax.jit, static_argnames=("interpret", "pages_per_block", "n_splits", "num_warps", "num_stages", "grid_order"),
 )
 def paged_decode_attention(
     q: jax.Array,
@@ -151,34 +157,49 @@ def paged_decode_attention(
     pages: jax.Array,
     cached_len: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     interpret: bool = False,
     pages_per_block: int | None = None,
     n_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    grid_order: str = "hsw",
 ) -> jax.Array:
     """Decode attention of one query per window over its slot's pages plus its fresh key.
 
     Args:
       q: [W, H, Dh] one query per window (H = K * G heads).
       k_new, v_new: [W, K, Dh] the window's own new key and value (not yet in the cache).
-      k_pages, v_pages: [P, page_size, K, Dh] one layer's pool.
+      k_pages, v_pages: [P, page_size, K, Dh] one layer's pool, or [L, P, page_size, K, Dh]
+        every layer's with `layer` picking one. Pass the stack inside a layer loop: slicing
+        it (`kv.k[i]`) to feed the kernel makes XLA copy the layer's whole pool first.
       pages: [W, n_ctx_pages] i32 page ids of each window's slot.
       cached_len: [W] i32; cache positions [0, cached_len) are attended (0 allowed; clipped
         to the bucket, n_ctx_pages * page_size, like the reference).
+      layer: i32 scalar, the layer of a stacked pool (required with one, else unused).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
       pages_per_block: pages per loop step (default: 64 positions, at least 16 rows).
       n_splits: programs per (window, kv head) (default: enough to fill the GPU).
       num_warps, num_stages: Triton launch parameters.
+      grid_order: the grid's axes, fastest-varying first (the GPU launches blocks in x order):
+        w = window, h = kv head, s = split. "hsw" runs a window's heads side by side, so
+        the pool rows they share (K heads x Dh contiguous) are fetched together.
 
     Returns:
       [W, H, Dh] in q.dtype: softmax(q k / sqrt(Dh)) v over the live cache and the fresh key,
       accumulated in float32.
     """
     W, H, Dh = q.shape
-    _, page_size, K, _ = k_pages.shape
+    if k_pages.ndim == 5:
+        if layer is None:
+            raise ValueError("a stacked [L, P, page, K, Dh] pool needs `layer`")
+    else:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    _, n_pool, page_size, K, _ = k_pages.shape
     n_ctx_pages = pages.shape[1]
     G = H // K
+    if sorted(grid_order) != sorted("whs"):
+        raise ValueError(f"grid_order must order 'w', 'h' and 's', got {grid_order!r}")
     if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if pages_per_block is None:
@@ -201,33 +222,43 @@ def paged_decode_attention(
     k_rows = k_pages.reshape(-1, K * Dh)
     v_rows = v_pages.reshape(-1, K * Dh)
 
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(
         _decode_kernel,
+        pool_rows=n_pool * page_size,
         page_size=page_size,
         pages_per_block=pages_per_block,
         n_splits=n_splits,
         head_dim=Dh,
         scale=scale,
         precision=precision,
+        grid_order=grid_order,
     )
-    whole = lambda a: pl.BlockSpec(a.shape, lambda w, h, s: (0,) * a.ndim)  # noqa: E731
+    sizes = dict(w=W, h=K, s=n_splits)
+
+    def by_axes(index_map):
+        """An index map of (w, h, s) over a grid laid out in `grid_order`."""
+        return lambda *g: index_map(*(g[grid_order.index(axis)] for axis in "whs"))
+
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *g: (0,) * a.ndim)  # noqa: E731
     compiler_params = None
     if _plgpu is not None and not interpret:
         compiler_params = _plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(W, K, n_splits),
+        grid=tuple(sizes[axis] for axis in grid_order),
         in_specs=[
+            whole(layer_arr),
             whole(length),
             whole(pages_pad),
-            pl.BlockSpec((None, None, gp, Dh), lambda w, h, s: (w, h, 0, 0)),
+            pl.BlockSpec((None, None, gp, Dh), by_axes(lambda w, h, s: (w, h, 0, 0))),
             whole(k_rows),
             whole(v_rows),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, gp, Dh), lambda w, h, s: (w, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda w, h, s: (w, h, s, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda w, h, s: (w, h, s, 0)),
+            pl.BlockSpec((None, None, None, gp, Dh), by_axes(lambda w, h, s: (w, h, s, 0, 0))),
+            pl.BlockSpec((None, None, None, gp), by_axes(lambda w, h, s: (w, h, s, 0))),
+            pl.BlockSpec((None, None, None, gp), by_axes(lambda w, h, s: (w, h, s, 0))),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((W, K, n_splits, gp, Dh), jnp.float32),
@@ -237,7 +268,7 @@ def paged_decode_attention(
         interpret=interpret,
         compiler_params=compiler_params,
         name="paged_decode_attention",
-    )(length, pages_pad, q_pad, k_rows, v_rows)
+    )(layer_arr, length, pages_pad, q_pad, k_rows, v_rows)
 
     out = _merge(o[..., :G, :], m[..., :G], l[..., :G], qg.astype(jnp.float32),
                  k_new.astype(jnp.float32), v_new, scale)

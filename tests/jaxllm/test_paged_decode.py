@@ -41,19 +41,32 @@ def _reference(q, k_new, v_new, k_pages, v_pages, pages, cached_len):
 
 
 @pytest.mark.parametrize(
-    "H,K,pages_per_block,n_splits",
+    "H,K,pages_per_block,n_splits,grid_order",
     [
-        (2, 2, 4, 1),  # G = 1, one block per window, one split
-        (6, 2, 4, 3),  # G = 3 (not a power of two), splits with no work
-        (8, 2, 8, 2),  # G = 4, blocks of 32 rows over 2 splits
-        (4, 1, None, None),  # default knobs
+        (2, 2, 4, 1, "hsw"),  # G = 1, one block per window, one split
+        (6, 2, 4, 3, "whs"),  # G = 3 (not a power of two), splits with no work
+        (8, 2, 8, 2, "swh"),  # G = 4, blocks of 32 rows over 2 splits
+        (4, 1, None, None, "hsw"),  # default knobs
     ],
 )
-def test_kernel_matches_reference(H, K, pages_per_block, n_splits):
+def test_kernel_matches_reference(H, K, pages_per_block, n_splits, grid_order):
     args = _inputs(H * 10 + K, H, K)
-    ours = paged_decode_attention(*args, interpret=True, pages_per_block=pages_per_block, n_splits=n_splits)
+    ours = paged_decode_attention(
+        *args, interpret=True, pages_per_block=pages_per_block, n_splits=n_splits, grid_order=grid_order
+    )
     assert ours.shape == args[0].shape and ours.dtype == args[0].dtype
     np.testing.assert_allclose(ours, _reference(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_layers_pick_one_layer():
+    """The [L, ...] stack with a (traced) layer index reads that layer's pool only."""
+    q, k_new, v_new, k_pages, v_pages, pages, cached = _inputs(5, 6, 2)
+    k_stack = jnp.stack([k_pages * 0 + 7, k_pages, k_pages * 0 - 3])
+    v_stack = jnp.stack([v_pages * 0 + 5, v_pages, v_pages * 0 - 1])
+    ours = paged_decode_attention(
+        q, k_new, v_new, k_stack, v_stack, pages, cached, layer=jnp.int32(1), interpret=True, pages_per_block=4
+    )
+    np.testing.assert_allclose(ours, _reference(q, k_new, v_new, k_pages, v_pages, pages, cached), rtol=1e-5, atol=1e-5)
 
 
 def test_dead_pages_do_not_leak():
