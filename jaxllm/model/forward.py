@@ -61,6 +61,7 @@ def _layer(
     v = v.astype(kv.v.dtype)
 
     k_layer, v_layer = kv.k[layer_index], kv.v[layer_index]
+    page_table = _after(page_table, x)  # read this layer's context only once its input exists
     attend = functools.partial(
         paged_attention, q, k, v, batch.positions, k_layer, v_layer, page_table, n_ctx_pages=n_ctx_pages
     )
@@ -92,6 +93,27 @@ def write_kv(kv: KVCache, k_new: jax.Array, v_new: jax.Array, batch: TokenBatch,
         k=kv.k.at[:, page, offset].set(k_new),
         v=kv.v.at[:, page, offset].set(v_new),
     )
+
+
+def _after(values: jax.Array, anchor: jax.Array) -> jax.Array:
+    """`values` (int32, each below the int32 maximum) unchanged, but computed from `anchor`.
+
+    XLA orders ops by data dependencies only, and two orderings matter here:
+
+    * The cache write is one in-place update after all layers. Every layer's cache read feeds
+      the next layer's K/V except the last layer's, which feeds only the hidden state; with no
+      data path from that read to the write XLA copies the whole cache, twice, every step.
+    * With unrolled layers, every layer's cache read depends only on the cache, so XLA hoists
+      all of them to the start of the step: their outputs (all layers' context K/V) are then
+      live at once, a temp buffer of hundreds of MB at 8 slots that is page-faulted anew on
+      every call. Tying a layer's page lookups to its input keeps one layer's copy live.
+
+    An optimization barrier does not give either ordering; a data dependency does. The sign
+    bit of `anchor` is 0 or 1, so the minimum is always `values` itself.
+    """
+    first = anchor.reshape(-1)[0].astype(jnp.float32)
+    sign = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(first, jnp.uint32), jnp.uint32(31))
+    return jnp.minimum(values, jnp.iinfo(jnp.int32).max - 1 + sign.astype(jnp.int32))
 
 
 def forward(
@@ -128,6 +150,8 @@ def forward(
             vs.append(v)
             per_layer.append(e)
         k_new, v_new, experts = jnp.stack(ks), jnp.stack(vs), jnp.stack(per_layer)
+    # The write must follow every read of the cache; see `_after`.
+    batch = batch.replace(positions=_after(batch.positions, x))
     kv = write_kv(kv, k_new, v_new, batch, page_table)
     return rms_norm(x, params.final_norm, cfg.rms_eps), kv, experts
 
