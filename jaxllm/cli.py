@@ -13,6 +13,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "orbax", "dummy"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--unroll-layers", action="store_true", help="unrolled layers (faster on GPU, slower compile)")
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "reference"],
+                   help="decode attention: auto = Pallas paged kernel on GPU, reference = plain jnp everywhere")
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +35,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from jaxllm.api import load
     from jaxllm.sampling import SamplingParams
 
-    model = load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers)
+    model = load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
+                 decode_attention=args.decode_attention)
     if args.chat:
         ids = model.chat_ids([{"role": "user", "content": args.prompt}])
     else:

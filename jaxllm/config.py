@@ -55,8 +55,14 @@ class ModelConfig:
     dtype: str = "float32"
     # lax.scan over layers compiles fast; unrolled layers run faster on the GPU.
     scan_layers: bool = True
+    # Decode-token attention: "auto" runs the Pallas paged kernel where it compiles (GPU) and
+    # the jnp reference elsewhere; "reference" forces the reference; "interpret" runs the
+    # kernel in the Pallas interpreter (CPU tests of the wiring; slow).
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.decode_attention not in ("auto", "reference", "interpret"):
+            raise ValueError(f"decode_attention must be auto, reference or interpret, got {self.decode_attention!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:

@@ -48,6 +48,10 @@ class EngineConfig:
     # covers every decoding slot, so a lone request does not pay for idle slots. Each width
     # multiplies the compiled variants; () means just max_slots.
     decode_widths: tuple[int, ...] = ()
+    # Prompts a round's chunk may carry side by side (packed prefill). Each segment is a
+    # window of the chunk bucket's length in attention, so this multiplies its cost on the
+    # reference path; worth it where fused attention runs (GPU), 1 elsewhere.
+    chunk_segments: int = 1
     # Threads compiling shape variants during warm-up (XLA compiles release the GIL); 0 = auto.
     compile_threads: int = 0
 
@@ -331,11 +335,11 @@ class Engine:
         B = self.layout.max_slots
         if size == 0:
             return steps.empty_chunk(B)
-        z = np.zeros((size,), np.int32)
-        empty_segment = np.zeros((1,), np.int32)
+        nc = self.config.chunk_segments
         return steps.ChunkBatch(
-            tokens=z, slots=np.full((size,), B, np.int32), positions=z,
-            seg_slot=empty_segment, seg_start=empty_segment, seg_len=empty_segment, seg_samples=np.zeros((1,), bool),
+            tokens=np.zeros((size,), np.int32), slots=np.full((size,), B, np.int32), positions=np.zeros((size,), np.int32),
+            seg_slot=np.zeros((nc,), np.int32), seg_start=np.zeros((nc,), np.int32), seg_len=np.zeros((nc,), np.int32),
+            seg_samples=np.zeros((nc,), bool),
         )
 
     # ---- rounds -----------------------------------------------------------------------
@@ -386,7 +390,7 @@ class Engine:
         max_chunk = self.config.chunk_buckets[-1]
         budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
         owner = self.next_prefill()
-        chunk, ctx_needed, n_prompt, finishing = self._build_chunk(owner, budget)
+        chunk, ctx_needed, n_prompt, finishing = self._build_chunk(budget)
         self._constrain(inputs, decoding + finishing)
         ctx_needed = max([ctx_needed] + [s.position_bound + 1 for s in decoding])
         for s in decoding:
@@ -421,38 +425,57 @@ class Engine:
         pages = max(self.layout.pages_for(n_positions), self.config.min_ctx_pages)
         return pages_bucket(pages, self.layout.max_pages_per_seq)
 
-    def _build_chunk(
-        self, seq: Sequence | None, budget: int
-    ) -> tuple[steps.ChunkBatch, int, int, list[Sequence]]:
-        """The next prompt chunk of `seq` (see `next_prefill`).
+    def _chunk_members(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Which prompts the next chunk carries, oldest first, and how many tokens of each.
+
+        The oldest prefilling sequence always goes first. Others join it (up to
+        `chunk_segments`, within `budget`) only when every member starts its prompt in this
+        chunk, so the round keeps the fused no-context attention path.
+        """
+        prefilling = sorted((s for s in self.seqs.values() if s.prefilled < len(s.prompt)), key=lambda s: s.id)
+        if not prefilling:
+            return []
+        first = prefilling[0]
+        if first.prefilled > 0 or self.config.chunk_segments == 1:
+            group = [first]
+        else:
+            group = [s for s in prefilling if s.prefilled == 0][: self.config.chunk_segments]
+        members, left = [], budget
+        for seq in group:
+            if left <= 0:
+                break
+            n = min(left, len(seq.prompt) - seq.prefilled)
+            members.append((seq, n))
+            left -= n
+        return members
+
+    def _build_chunk(self, budget: int) -> tuple[steps.ChunkBatch, int, int, list[Sequence]]:
+        """The next round's prompt chunk (see `_chunk_members`); advances `prefilled`.
 
         Returns:
-          (chunk, positions it reaches, prompt tokens in it, [the sequence] if the chunk
-          ends its prompt so it draws its first token this round, else []).
+          (chunk, furthest position it reaches, prompt tokens in it, the sequences whose
+          prompt it ends: they draw their first token this round).
         """
         B = self.layout.max_slots
-        if seq is None:
+        members = self._chunk_members(budget)
+        if not members:
             return steps.empty_chunk(B), 0, 0, []
-        start = seq.prefilled
-        n = min(budget, len(seq.prompt) - start)
-        bucket = next(b for b in self.config.chunk_buckets if b >= n)
-        tokens = np.zeros((bucket,), np.int32)
-        slots = np.full((bucket,), B, np.int32)
-        positions = np.zeros((bucket,), np.int32)
-        tokens[:n] = seq.prompt[start : start + n]
-        slots[:n] = seq.slot
-        positions[:n] = np.arange(start, start + n)
-        seq.prefilled = start + n
-        chunk = steps.ChunkBatch(
-            tokens=np.asarray(tokens),
-            slots=np.asarray(slots),
-            positions=np.asarray(positions),
-            seg_slot=np.asarray([seq.slot], np.int32),
-            seg_start=np.asarray([0], np.int32),
-            seg_len=np.asarray([n], np.int32),
-            seg_samples=np.asarray([seq.prefilled == len(seq.prompt)]),
-        )
-        return chunk, start + n, n, [seq] if seq.prefilled == len(seq.prompt) else []
+        total = sum(n for _, n in members)
+        bucket = next(b for b in self.config.chunk_buckets if b >= total)
+        chunk = self._idle_chunk(bucket)
+        reach, at, finishing = 0, 0, []
+        for i, (seq, n) in enumerate(members):
+            start = seq.prefilled
+            chunk.tokens[at : at + n] = seq.prompt[start : start + n]
+            chunk.slots[at : at + n] = seq.slot
+            chunk.positions[at : at + n] = np.arange(start, start + n)
+            seq.prefilled = start + n
+            ends = seq.prefilled == len(seq.prompt)
+            chunk.seg_slot[i], chunk.seg_start[i], chunk.seg_len[i], chunk.seg_samples[i] = seq.slot, at, n, ends
+            finishing += [seq] if ends else []
+            reach = max(reach, seq.prefilled)
+            at += n
+        return chunk, reach, total, finishing
 
     def collect(self, handle: Round) -> list[TokenEvent]:
         """Reads a launched round (one device_get) and appends its tokens to the sequences."""

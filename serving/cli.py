@@ -51,7 +51,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from jaxllm.api import load
 
     def loader():
-        return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers)
+        return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
+                    decode_attention=args.decode_attention)
 
     name = args.served_model_name or Path(args.model).stem
     return serve(loader, model_name=name, host=args.host, port=args.port, config=args.config, api_key=args.api_key,

@@ -387,30 +387,35 @@ class Scheduler:
         """Plans and dispatches the next round; returns without waiting for the device."""
         seq, owner = self._prefill_target()
         budget = None
-        boundary = None
         if seq is not None:
             contended = len(self.active) > 1 or bool(self.pending)
             budget = self.pacer.tokens(contended)
-            if owner is not None:
-                lim = owner.job.settings.limits
-                ends = owner.job.prepared.boundaries + [len(seq.prompt)]
-                nxt = [b for b in ends if b > seq.prefilled and b >= lim.prefix_cache_min_tokens]
-                if nxt and nxt[0] - seq.prefilled <= budget:
-                    boundary = nxt[0]
-                    budget = boundary - seq.prefilled
+        # A chunk may carry several prompts and pass several boundaries; each passed boundary
+        # is checkpointed right after launch (the engine extracts exactly prompt[:b]).
+        before = [(s, s.prefilled) for s in self.engine.seqs.values() if s.prefilled < len(s.prompt)]
         members = [self.by_seq[s.id] for s in self.engine.seqs.values() if s.id in self.by_seq]
         compiles = self.compiles.count
         try:
             handle = self.engine.launch(prefill_budget=budget)
             if handle is None:
                 return None
-            if boundary is not None and seq.prefilled == boundary:
-                self._checkpoint(seq, boundary)
+            for prefilling, start in before:
+                self._checkpoint_passed(prefilling, start)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
             self._round_failed(members, e)
             return None
         return InFlight(handle=handle, members=members, owner=owner if handle.prefill_tokens else None,
                         launched=self.clock(), compiled=self.compiles.count != compiles)
+
+    def _checkpoint_passed(self, seq: Any, start: int) -> None:
+        """Checkpoints the prefix-cache boundaries `seq`'s prefill passed since `start`."""
+        entry = self.by_seq.get(seq.id)
+        if entry is None or seq.prefilled == start:
+            return
+        lim = entry[0].job.settings.limits
+        for b in entry[0].job.prepared.boundaries + [len(seq.prompt)]:
+            if start < b <= seq.prefilled and b >= lim.prefix_cache_min_tokens:
+                self._checkpoint(seq, b)
 
     def _round_failed(self, members: list[tuple[Active, Choice]], e: Exception) -> None:
         self.totals["failed_rounds"] += 1

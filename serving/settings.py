@@ -54,6 +54,7 @@ class EngineShape:
     min_ctx_pages: int = 8
     decode_steps_per_call: int = 4
     decode_widths: tuple[int, ...] = ()
+    chunk_segments: int = 1
 
     def engine_config(self) -> EngineConfig:
         """The runtime's EngineConfig for these shapes."""
@@ -61,6 +62,7 @@ class EngineShape:
             max_slots=self.max_slots, kv_bytes=self.kv_mib << 20, max_seq_len=self.max_seq_len,
             page_size=self.page_size, chunk_buckets=tuple(self.chunk_buckets), min_ctx_pages=self.min_ctx_pages,
             decode_steps_per_call=self.decode_steps_per_call, decode_widths=tuple(self.decode_widths),
+            chunk_segments=self.chunk_segments,
         )
 
 

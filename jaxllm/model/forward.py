@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxllm.attention.fused import chunk_attention, fused_attention_available
+from jaxllm.attention.paged_decode import decode_kernel_available, paged_decode_attention
 from jaxllm.attention.reference import Windows, paged_attention
 from jaxllm.config import ModelConfig
 from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, rms_norm, rope_inv_freq
@@ -65,7 +66,10 @@ def _layer(
     attend = functools.partial(
         paged_attention, q, k, v, batch.positions, k_layer, v_layer, page_table, n_ctx_pages=n_ctx_pages
     )
-    attn = attend(batch.decode, window_len=1)
+    if _use_decode_kernel(cfg) and batch.decode.slot.shape[0]:
+        attn = _decode_kernel_attention(q, k, v, kv, layer_index, page_table, batch, n_ctx_pages, cfg)
+    else:
+        attn = attend(batch.decode, window_len=1)
     if batch.chunks.slot.shape[0] and fused_attention_available(cfg.dtype):
         attn = attn + chunk_attention(
             q, k, v, batch.positions, k_layer, v_layer, page_table, batch.chunks,
@@ -82,6 +86,41 @@ def _layer(
     else:
         out, expert_tokens = dense_mlp(h, lp.mlp), jnp.zeros((0,), jnp.int32)
     return x + out, (k, v), expert_tokens
+
+
+def _use_decode_kernel(cfg: ModelConfig) -> bool:
+    if cfg.decode_attention == "auto":
+        return decode_kernel_available(cfg.dtype)
+    return cfg.decode_attention == "interpret"
+
+
+def _decode_kernel_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv: KVCache,
+    layer_index: jax.Array | int,
+    page_table: jax.Array,
+    batch: TokenBatch,
+    n_ctx_pages: int,
+    cfg: ModelConfig,
+) -> jax.Array:
+    """Decode windows' attention by the paged kernel; [T, H, Dh] with zeros past them.
+
+    Decode windows are the batch's first rows, one token each (see `steps`). The kernel gets
+    the whole [L, ...] cache and the layer index: a per-layer slice would be copied first.
+    """
+    W = batch.decode.slot.shape[0]
+    live = batch.decode.length > 0
+    pages = page_table[batch.decode.slot, :n_ctx_pages]
+    cached = jnp.where(live, batch.positions[batch.decode.start], 0)
+    rows = batch.decode.start
+    out = paged_decode_attention(
+        q[rows], k[rows], v[rows], kv.k, kv.v, pages, cached, layer=layer_index,
+        interpret=cfg.decode_attention == "interpret",
+    )
+    out = jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+    return jnp.zeros_like(q).at[rows].set(out) if W < q.shape[0] else out
 
 
 def write_kv(kv: KVCache, k_new: jax.Array, v_new: jax.Array, batch: TokenBatch, page_table: jax.Array) -> KVCache:
