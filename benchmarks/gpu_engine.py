@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import load_config_json
+from jaxllm.costs import model_costs
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.params import layout_params
@@ -72,14 +73,6 @@ def kernel_parity() -> dict[str, float]:
     return {"cudnn_vs_reference_rel_err": float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))}
 
 
-def weight_bytes(cfg, params) -> int:
-    """Bytes a decode step must read: every weight except the embedding table (one row)."""
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    if params.lm_head is not None:
-        total -= params.embed.size * params.embed.dtype.itemsize
-    return total
-
-
 def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
     pages = slots * (-(-max_seq_len // 16) + 1) + 4
     config = EngineConfig(
@@ -119,7 +112,7 @@ def decode_seconds_per_call(engine: Engine, calls: int = 5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/llama3-8b.json")
-    ap.add_argument("--cases", default="ceil,parity,a,b,c")
+    ap.add_argument("--cases", default="ceil,parity,a,aref,b,c")
     ap.add_argument("--scan", action="store_true", help="lax.scan over layers instead of unrolled")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
@@ -139,24 +132,27 @@ def main() -> None:
     params = layout_params(dummy_params(cfg), cfg.scan_layers)
     jax.block_until_ready(params)
     results["load_s"] = time.perf_counter() - t
-    wbytes = weight_bytes(cfg, params)
-    kv_per_token = kv_bytes_per_page(cfg, 1)
+    costs = model_costs(cfg, params)
     rng = np.random.default_rng(0)
 
-    if "a" in cases:
-        for steps in sorted({1, args.steps}):
-            eng = engine_for(cfg, params, slots=1, max_seq_len=2048, chunk=1024, steps=steps)
-            t = time.perf_counter()
-            prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
-            first = time.perf_counter() - t
-            per_call = decode_seconds_per_call(eng)
-            step_s = per_call / steps
-            bytes_step = wbytes + (CTX + 80) * kv_per_token
-            results[f"a_decode_ms_b1_ctx1k_steps{steps}"] = step_s * 1e3
-            results[f"a_mbu_steps{steps}"] = bytes_step / step_s / 4.3e12
-            results[f"a_first_prefill_incl_compile_s_steps{steps}"] = first
-            print(f"A steps/call={steps}: {step_s*1e3:.2f} ms/token, MBU {bytes_step/step_s/4.3e12:.0%} of 4.3 TB/s", flush=True)
-            del eng
+    runs = [(steps, "auto") for steps in sorted({1, args.steps})] if "a" in cases else []
+    runs += [(args.steps, "reference")] if "aref" in cases else []  # before the Pallas decode kernel
+    for steps, attention in runs:
+        eng = engine_for(cfg.replace(decode_attention=attention), params, slots=1, max_seq_len=2048, chunk=1024,
+                         steps=steps)
+        t = time.perf_counter()
+        prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
+        first = time.perf_counter() - t
+        per_call = decode_seconds_per_call(eng)
+        step_s = per_call / steps
+        bytes_step = costs.decode_step_bytes(CTX + 80)
+        tag = f"steps{steps}" + ("" if attention == "auto" else f"_{attention}")
+        results[f"a_decode_ms_b1_ctx1k_{tag}"] = step_s * 1e3
+        results[f"a_mbu_{tag}"] = bytes_step / step_s / 4.3e12
+        results[f"a_first_prefill_incl_compile_s_{tag}"] = first
+        print(f"A steps/call={steps} attention={attention}: {step_s*1e3:.2f} ms/token, "
+              f"MBU {bytes_step/step_s/4.3e12:.0%} of 4.3 TB/s", flush=True)
+        del eng
 
     if "b" in cases:
         eng = engine_for(cfg, params, slots=1, max_seq_len=2048 + 64, chunk=2048, steps=1)
@@ -169,7 +165,7 @@ def main() -> None:
             eng.remove(seq)
 
         s = timed(one_prefill, repeats=5)
-        flops = 2 * 2048 * (wbytes / 2) + 4 * cfg.n_layers * 2048 * 2048 / 2 * cfg.n_heads * cfg.head_dim
+        flops = costs.prefill_flops(2048)
         results["b_prefill_2k_ms"] = s * 1e3
         results["b_mfu"] = flops / s / 790e12
         print(f"B prefill 2k: {s*1e3:.1f} ms, MFU {flops/s/790e12:.0%} of 790 TFLOP/s", flush=True)

@@ -9,6 +9,7 @@ loop), hand a `Job` to the scheduler and relay its frames.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -36,8 +37,11 @@ class Server:
     """What the routes share (on `app.ctx.server`): model, scheduler, stores, settings."""
 
     def __init__(self, settings: SettingsStore, loader: Callable[[], Any], model_name: str, api_key: str | None,
-                 warmup: bool, on_death: Callable[[BaseException], None] | None):
+                 warmup: bool, on_death: Callable[[BaseException], None] | None, profile_dir: str | None = None):
         self.settings = settings
+        self.profile_dir = profile_dir
+        self.profiling = False
+        self.costs: dict[str, int] | None = None  # jaxllm.costs.ModelCosts of the loaded model
         self.loader = loader
         self.model_name = model_name
         self.api_key = api_key
@@ -57,11 +61,13 @@ class Server:
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Loads the model and starts the worker (which warms up); runs on its own thread."""
+        from jaxllm.costs import model_costs
         from jaxllm.state import kv_bytes_per_page
 
         try:
             started = time.perf_counter()
             self.model = self.loader()
+            self.costs = dataclasses.asdict(model_costs(self.model.cfg, self.model.params))
             e = self.settings.current.engine
             self.engine = self.model.engine(e.engine_config())
             cfg = self.model.cfg
@@ -283,7 +289,44 @@ async def metrics(request: Request) -> Any:
 
 @api.get("/v1/state")
 async def state(request: Request) -> Any:
-    return response.json(_server(request).metrics.state)
+    srv = _server(request)
+    # The worker's snapshot plus what the model costs per token (for MBU / MFU figures).
+    return response.json({**srv.metrics.state, "model": {"name": srv.model_name, "costs": srv.costs}})
+
+
+@api.post("/start_profile")
+async def start_profile(request: Request) -> Any:
+    """Starts a JAX profiler trace into the server's --profile-dir (vLLM's endpoint name)."""
+    srv = _check_profiling(request, running=False)
+    import jax
+
+    await asyncio.get_running_loop().run_in_executor(None, jax.profiler.start_trace, srv.profile_dir)
+    srv.profiling = True
+    log.info("profiler trace started into %s", srv.profile_dir)
+    return response.json({"status": "profiling", "dir": srv.profile_dir})
+
+
+@api.post("/stop_profile")
+async def stop_profile(request: Request) -> Any:
+    """Stops the trace and writes it (TensorBoard / Perfetto readable) under --profile-dir."""
+    srv = _check_profiling(request, running=True)
+    import jax
+
+    srv.profiling = False
+    await asyncio.get_running_loop().run_in_executor(None, jax.profiler.stop_trace)
+    log.info("profiler trace written under %s", srv.profile_dir)
+    return response.json({"status": "written", "dir": srv.profile_dir})
+
+
+def _check_profiling(request: Request, *, running: bool) -> Server:
+    srv = _server(request)
+    if srv.profile_dir is None:
+        raise ApiError(400, "profiling is off: start the server with --profile-dir DIR")
+    if srv.profiling != running:
+        raise ApiError(409 if srv.profiling else 400,
+                       "a profile is already running" if srv.profiling else "no profile is running",
+                       type="invalid_request_error")
+    return srv
 
 
 @api.post("/v1/settings/reload")
@@ -318,7 +361,8 @@ _OPEN_PATHS = {"/health", "/metrics"}
 
 
 def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name: str, api_key: str | None = None,
-               warmup: bool = True, on_death: Callable[[BaseException], None] | None = None) -> Sanic:
+               warmup: bool = True, on_death: Callable[[BaseException], None] | None = None,
+               profile_dir: str | None = None) -> Sanic:
     """Builds the Sanic app; `loader()` returns a `jaxllm.api.Model` (called off the loop)."""
     app = Sanic(f"jaxllm_{next(_app_ids)}")
     lim = settings.current.limits
@@ -327,7 +371,7 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     app.config.REQUEST_TIMEOUT = 600
     app.config.KEEP_ALIVE_TIMEOUT = 75
     app.config.NOISY_EXCEPTIONS = False
-    srv = Server(settings, loader, model_name, api_key, warmup, on_death)
+    srv = Server(settings, loader, model_name, api_key, warmup, on_death, profile_dir)
     app.ctx.server = srv
     app.blueprint(api)
 

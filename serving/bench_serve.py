@@ -72,6 +72,12 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--config", default=None,
                    help="server settings TOML whose [engine] the --overhead engine copies (default configs/server.toml)")
+    p.add_argument("--peak-bandwidth", type=float, default=4300.0,
+                   help="GB/s the MBU figure divides by (default: an H200's measured copy bandwidth, 4300)")
+    p.add_argument("--peak-tflops", type=float, default=790.0,
+                   help="dense TFLOP/s the MFU figures divide by (default: an H200's measured bf16 matmul, 790)")
+    p.add_argument("--profile", action="store_true",
+                   help="record a JAX profiler trace of the timed run (the server needs --profile-dir)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the result as JSON to PATH ('-' or no value: stdout instead of the table)")
     p.set_defaults(func=run_bench_serve)
@@ -413,7 +419,50 @@ async def _run_load(args: argparse.Namespace, base_url: str, model: str | None) 
             r = await stream_completion(client, body)
             if not r.ok:
                 raise RuntimeError(f"warm-up request failed: {r.error}")
-        return await run_requests(client, bodies[args.warmup_requests:], args.concurrency, args.request_rate, args.seed)
+        if args.profile:
+            (await client.post("/start_profile")).raise_for_status()
+        try:
+            return await run_requests(client, bodies[args.warmup_requests:], args.concurrency, args.request_rate,
+                                      args.seed)
+        finally:
+            if args.profile:
+                (await client.post("/stop_profile", timeout=max(args.timeout, 300))).raise_for_status()
+
+
+def model_costs(client: httpx.Client) -> dict[str, int] | None:
+    """The served model's per-token costs (see `jaxllm.costs`) from /v1/state, if published."""
+    try:
+        r = client.get("/v1/state")
+        return (r.json().get("model") or {}).get("costs") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def utilisation(summary: dict[str, Any], costs: dict[str, int] | None, args: argparse.Namespace) -> dict[str, Any] | None:
+    """MBU of decode and MFU of prefill and of the whole run, from the measured latencies.
+
+    Approximations, stated in the report: a decode step of c concurrent requests reads the
+    weights once plus each request's K/V at its mean decode context (input + output / 2) and
+    lasts one TPOT; a prompt's prefill lasts its TTFT (so MFU of prefill is meaningful at
+    concurrency 1, where no queueing is in it).
+    """
+    if not costs or not summary["successful_requests"]:
+        return None
+    n_in, n_out = args.input_len, args.output_len
+    c = min(args.concurrency or args.num_prompts, args.num_prompts)
+    ctx = n_in + n_out / 2
+    out: dict[str, Any] = {"concurrency": c, "peak_GBps": args.peak_bandwidth, "peak_TFLOPs": args.peak_tflops}
+    tpot = summary["tpot_ms"]["p50"]
+    if tpot:
+        step_bytes = costs["step_weight_bytes"] + c * costs["kv_bytes_per_position"] * ctx
+        out["decode_mbu"] = step_bytes / (tpot / 1e3) / (args.peak_bandwidth * 1e9)
+    ttft = summary["ttft_ms"]["p50"]
+    prefill = costs["layer_flops_per_token"] * n_in + costs["head_flops_per_token"] + costs["attention_flops_per_pair"] * n_in * n_in / 2
+    if ttft:
+        out["prefill_mfu"] = prefill / (ttft / 1e3) / (args.peak_tflops * 1e12)
+    decode = n_out * (costs["layer_flops_per_token"] + costs["head_flops_per_token"] + costs["attention_flops_per_pair"] * ctx)
+    out["run_mfu"] = summary["successful_requests"] * (prefill + decode) / summary["duration_s"] / (args.peak_tflops * 1e12)
+    return out
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -439,9 +488,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 pid = local_pid_listening(urlparse(base_url).port or 80)
             probe = RssProbe(sync, pid)
             report.update(model=model, rss_source=probe.source, rss_before=probe.read(), load_before=load_average())
+            costs = model_costs(sync)
             results, duration = asyncio.run(_run_load(args, base_url, model))
             report.update(rss_after=probe.read(), load_after=load_average())
             report["result"] = summarize(results, duration)
+            report["utilisation"] = utilisation(report["result"], costs, args)
             if args.overhead:
                 report["overhead"] = measure_overhead(args, base_url, model, engine)
     finally:
@@ -479,6 +530,10 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
 def format_report(r: dict[str, Any]) -> str:
     s, a = r["result"], r["args"]
     rate = "inf" if a["request_rate"] == float("inf") else a["request_rate"]
@@ -503,6 +558,14 @@ def format_report(r: dict[str, Any]) -> str:
         for stat in ("mean", "p50", "p99"):
             lines.append(f"{stat.upper() if stat != 'mean' else 'Mean'} {key[:-3].upper()} (ms):".ljust(44)
                          + _f(s[key][stat]))
+    u = r.get("utilisation")
+    if u:
+        lines.append("{s:{c}^60}".format(s=" Hardware utilisation (approx.) ", c="-"))
+        lines += [
+            f"{'Decode MBU (p50 TPOT, ' + str(u['concurrency']) + ' streams):':<44}{_pct(u.get('decode_mbu'))} of {u['peak_GBps']:.0f} GB/s",
+            f"{'Prefill MFU (p50 TTFT):':<44}{_pct(u.get('prefill_mfu'))} of {u['peak_TFLOPs']:.0f} TFLOP/s",
+            f"{'Whole-run MFU (all tokens / duration):':<44}{_pct(u.get('run_mfu'))}",
+        ]
     lines.append("{s:{c}^60}".format(s=" Server memory / machine ", c="-"))
     before, after = r.get("rss_before"), r.get("rss_after")
     delta = None if before is None or after is None else after - before

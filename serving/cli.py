@@ -21,11 +21,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"))
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before /health")
+    p.add_argument("--profile-dir", default=None,
+                   help="enable POST /start_profile and /stop_profile, writing JAX profiler traces here")
     p.set_defaults(func=run_serve)
 
 
 def serve(loader, *, model_name: str, host: str, port: int, config: str | None, api_key: str | None,
-          warmup: bool = True) -> int:
+          warmup: bool = True, profile_dir: str | None = None) -> int:
     """Runs the server until stopped; returns the exit status (1 if the worker died)."""
     from serving.app import create_app
     from serving.settings import SettingsStore, load_settings
@@ -41,7 +43,8 @@ def serve(loader, *, model_name: str, host: str, port: int, config: str | None, 
         # /health already answers 503; give clients a moment to see it, then exit non-zero.
         threading.Timer(1.0, os._exit, (1,)).start()
 
-    app = create_app(store, loader=loader, model_name=model_name, api_key=api_key, warmup=warmup, on_death=on_death)
+    app = create_app(store, loader=loader, model_name=model_name, api_key=api_key, warmup=warmup, on_death=on_death,
+                     profile_dir=profile_dir)
     print(f"jaxllm serving {model_name} at http://{host}:{port}/v1 (health: http://{host}:{port}/health)", flush=True)
     app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
     return status["code"]
@@ -56,7 +59,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or Path(args.model).stem
     return serve(loader, model_name=name, host=args.host, port=args.port, config=args.config, api_key=args.api_key,
-                 warmup=not args.no_warmup)
+                 warmup=not args.no_warmup, profile_dir=args.profile_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,8 @@ chunk_buckets = [32]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_server")
-    with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp, CONFIG, health_timeout=240) as s:
+    args = ["tests.serving.tiny_server", "--api-key", KEY, "--profile-dir", str(tmp / "trace")]
+    with running_server(args, tmp, CONFIG, health_timeout=240) as s:
         yield s
 
 
@@ -49,6 +50,36 @@ def test_bench_serve_json(server, capsys):
     # The pid listening on the port is found through /proc, so RSS comes from VmRSS.
     assert r["rss_source"] == f"/proc/{server['proc'].pid}/status VmRSS"
     assert r["rss_before"] > 10 << 20 and r["rss_after"] > 10 << 20
+
+
+def test_profile_trace_and_utilisation(server):
+    """--profile leaves a JAX profiler trace on the server side; MBU / MFU follow from the
+    model's sizes (computed here from the same tiny model) and the measured latencies."""
+    import jax
+
+    from tests.serving.tiny_server import tiny_model
+
+    out = server["tmp"] / "profiled.json"
+    rc = main(["bench", "serve", "--port", str(server["port"]), "--api-key", KEY, "--input-len", "16",
+               "--output-len", "8", "--num-prompts", "2", "--concurrency", "1", "--vocab-size", "49152",
+               "--profile", "--peak-bandwidth", "100", "--peak-tflops", "2", "--json", str(out)])
+    assert rc == 0
+    traces = list((server["tmp"] / "trace").rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+
+    r = json.loads(out.read_text())
+    s, u = r["result"], r["utilisation"]
+    model = tiny_model()
+    cfg = model.cfg
+    weights = sum(x.nbytes for x in jax.tree.leaves(model.params))  # tied embeddings: the head reads them all
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    step_bytes = weights + kv * (16 + 8 / 2)
+    assert u["decode_mbu"] == pytest.approx(step_bytes / (s["tpot_ms"]["p50"] / 1e3) / 100e9, rel=1e-6)
+    per_token = 2 * (cfg.n_layers * (cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+                                     + 3 * cfg.d_model * cfg.ffn_dim))
+    prefill = per_token * 16 + 2 * cfg.vocab_size * cfg.d_model + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 16 * 16 / 2
+    assert u["prefill_mfu"] == pytest.approx(prefill / (s["ttft_ms"]["p50"] / 1e3) / 2e12, rel=1e-6)
+    assert 0 < u["run_mfu"] < 1
 
 
 def test_both_spellings_parse():

@@ -280,3 +280,10 @@ def test_models_metrics_state(client, http):
     assert "jaxllm_generated_tokens_total" in http.get("/metrics").text
     s = _state(http)
     assert s["ready"] and s["requests"]["reconcile_errors"] == 0 and s["requests"]["failed_rounds"] == 0
+    assert s["model"]["name"] == "tiny" and s["model"]["costs"]["kv_bytes_per_position"] > 0
+
+
+def test_profiling_endpoints_need_a_profile_dir(http):
+    for path in ("/start_profile", "/stop_profile"):
+        r = http.post(path)
+        assert r.status_code == 400 and "--profile-dir" in r.json()["error"]["message"]

@@ -1,6 +1,6 @@
 """Starts `jaxllm serve` on a tiny random-weight llama with the SmolLM2 tokenizer (tests).
 
-    python -m tests.serving.tiny_server --port P --config C [--api-key K]
+    python -m tests.serving.tiny_server --port P --config C [--api-key K] [--profile-dir D]
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--config", required=True)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--profile-dir", default=None)
     a = p.parse_args()
-    return serve(tiny_model, model_name="tiny", host="127.0.0.1", port=a.port, config=a.config, api_key=a.api_key)
+    return serve(tiny_model, model_name="tiny", host="127.0.0.1", port=a.port, config=a.config, api_key=a.api_key,
+                 profile_dir=a.profile_dir)
 
 
 if __name__ == "__main__":
