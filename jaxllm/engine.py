@@ -140,6 +140,18 @@ class Round:
     prefill_seq_id: int | None = None
 
 
+def _start_host_copy(output: steps.StepOutput) -> steps.StepOutput:
+    """Starts the round's device-to-host copy now, ahead of rounds launched after it.
+
+    Measured on the GPU: without this, `collect` of round N waits until round N+1 (already
+    launched behind it, e.g. eight decode steps) has finished too, adding its whole time to
+    every first token.
+    """
+    for leaf in jax.tree.leaves(output):
+        leaf.copy_to_host_async()
+    return output
+
+
 class Engine:
     """Owns params + decode state + compiled steps; `add` / `launch` / `collect` / `remove`."""
 
@@ -352,8 +364,8 @@ class Engine:
         """Dispatches one round (or several decode steps) and returns without waiting.
 
         Args:
-          prefill_budget: at most this many prompt tokens ride in this round (pacing); None
-            means the largest chunk bucket.
+          prefill_budget: about this many prompt tokens ride in this round (pacing), rounded
+            up to the chunk bucket they would be padded to; None means the largest bucket.
 
         Returns:
           A handle for `collect`, or None when no sequence has work.
@@ -385,10 +397,12 @@ class Engine:
                 self.state, out = steps.decode_steps(
                     self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx, decode_width=width
                 )
-            return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
+            return Round(output=_start_host_copy(out), seqs=snapshot, multi=True, prefill_tokens=0)
 
         max_chunk = self.config.chunk_buckets[-1]
         budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
+        # The chunk is padded to its bucket anyway: padded rows cost what prompt tokens do.
+        budget = next(b for b in self.config.chunk_buckets if b >= budget)
         owner = self.next_prefill()
         chunk, ctx_needed, n_prompt, finishing = self._build_chunk(budget)
         self._constrain(inputs, decoding + finishing)
@@ -405,7 +419,7 @@ class Engine:
                 self.params, self.state, inputs, chunk, cfg=self.cfg, chunk_len=chunk_len, n_ctx_pages=ctx,
                 decode_width=width,
             )
-        return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt,
+        return Round(output=_start_host_copy(out), seqs=snapshot, multi=False, prefill_tokens=n_prompt,
                      prefill_seq_id=owner.id if owner else None)
 
     @staticmethod

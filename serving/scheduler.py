@@ -609,10 +609,10 @@ class Scheduler:
         used = layout.n_pages - 1 - len(self.engine.free_pages)
         ctx = max((c.seq.length if c.seq is not None else 0) for c in a.choices)
         log.info(
-            "serve %s: prefill %d tok (%d cached) in %.2fs (%.0f tok/s) | decode %d tok in %.2fs (%.1f tok/s) "
+            "serve %s: prefill %d tok (%d cached) in %.2fs (%s tok/s) | decode %d tok in %.2fs (%s tok/s) "
             "| ctx %d/%d (%.0f%% full) | kv cache %d/%d pages (%.0f%% full)",
-            a.job.id, prefill, a.cached_tokens, a.prefill_seconds, prefill / max(a.prefill_seconds, 1e-9), decode,
-            a.decode_seconds, decode / max(a.decode_seconds, 1e-9), ctx, self.engine.max_context,
+            a.job.id, prefill, a.cached_tokens, a.prefill_seconds, _rate(prefill, a.prefill_seconds), decode,
+            a.decode_seconds, _rate(decode, a.decode_seconds), ctx, self.engine.max_context,
             100 * ctx / max(self.engine.max_context, 1), used, layout.n_pages - 1, 100 * used / max(layout.n_pages - 1, 1),
         )
 
@@ -673,6 +673,11 @@ class Scheduler:
             "compilations": self.compiles.count,
             "expert_activity": expert_activity(getattr(self.engine, "expert_tokens", None)),
         }
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    """Tokens per second for the report line; n/a when no measurable time was spent."""
+    return f"{tokens / seconds:.1f}" if seconds > 1e-4 else "n/a"
 
 
 def expert_activity(tokens: np.ndarray | None) -> dict | None:

@@ -63,16 +63,22 @@ def chunk_attention(
     n_ctx_pages: int,
     implementation: str | None,
 ) -> jax.Array:
-    """Prompt-chunk attention: fused when no window has cached context, else the reference."""
+    """Prompt-chunk attention: fused when no window has cached context, else the reference.
+
+    Only the first window may have context: the engine packs several prompts into a chunk
+    only when all of them start there (see `Engine._chunk_members`). So the reference
+    branch reads just that window, not a bucket-sized window per (empty) segment.
+    """
     first = positions[windows.start]
     no_context = jnp.all((windows.length == 0) | (first == 0))
+    continuing = Windows(slot=windows.slot[:1], start=windows.start[:1], length=windows.length[:1])
 
     def fused() -> jax.Array:
         return fresh_causal_attention(q, k_new, v_new, windows, window_len=window_len, implementation=implementation)
 
     def reference() -> jax.Array:
         return paged_attention(
-            q, k_new, v_new, positions, k_pages, v_pages, page_table, windows,
+            q, k_new, v_new, positions, k_pages, v_pages, page_table, continuing,
             window_len=window_len, n_ctx_pages=n_ctx_pages,
         )
 
