@@ -38,7 +38,8 @@ stop
 fi
 
 if [[ $cases == *135m* ]]; then
-serve_and_bench smollm2 --load-format dummy --model configs/smollm2-135m.json --unroll-layers || exit 1
+serve_and_bench smollm2 --load-format dummy --model configs/smollm2-135m.json --unroll-layers \
+  --config configs/gpu-smollm2.toml || exit 1
 bench smollm2-single --vocab-size 49152 --input-len 128 --output-len 256 --concurrency 1 --num-prompts 4
 stop
 fi

@@ -94,6 +94,12 @@ class Sequence:
         return self.constraint is not None and len(self.generated) < drawn
 
     @property
+    def fully_dispatched(self) -> bool:
+        """Rounds already launched draw all of its `max_tokens`: another round would only
+        burn a decode call on a finished slot (and delay whatever is queued behind it)."""
+        return self.dispatched + 1 >= self.params.max_tokens
+
+    @property
     def length(self) -> int:
         return len(self.prompt) + len(self.generated)
 
@@ -370,7 +376,7 @@ class Engine:
         Returns:
           A handle for `collect`, or None when no sequence has work.
         """
-        decoding = [s for s in self.seqs.values() if s.decoding and not s.awaiting_host]
+        decoding = [s for s in self.seqs.values() if s.decoding and not s.awaiting_host and not s.fully_dispatched]
         prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
         if not decoding and not prefilling:
             return None

@@ -128,7 +128,7 @@ class InFlight:
 
     handle: Any
     members: list[tuple["Active", Choice]]  # requests with a sequence in the engine at launch
-    owner: "Active | None"  # the request whose prompt chunk rides in the round
+    prefillers: list["Active"]  # the requests whose prompt chunks ride in the round
     launched: float
     compiled: bool  # the launch compiled a new variant (its time says nothing about speed)
 
@@ -376,18 +376,10 @@ class Scheduler:
         a.job.output.flush()
 
     # ---- rounds ----------------------------------------------------------------------
-    def _prefill_target(self) -> tuple[Any, Active | None]:
-        seq = self.engine.next_prefill()
-        if seq is None:
-            return None, None
-        owner = self.by_seq.get(seq.id)
-        return seq, owner[0] if owner else None
-
     def _launch(self) -> InFlight | None:
         """Plans and dispatches the next round; returns without waiting for the device."""
-        seq, owner = self._prefill_target()
         budget = None
-        if seq is not None:
+        if self.engine.next_prefill() is not None:
             contended = len(self.active) > 1 or bool(self.pending)
             budget = self.pacer.tokens(contended)
         # A chunk may carry several prompts and pass several boundaries; each passed boundary
@@ -404,7 +396,9 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
             self._round_failed(members, e)
             return None
-        return InFlight(handle=handle, members=members, owner=owner if handle.prefill_tokens else None,
+        advanced = {id(a): a for s, start in before if s.prefilled > start and s.id in self.by_seq
+                    for a in [self.by_seq[s.id][0]]}
+        return InFlight(handle=handle, members=members, prefillers=list(advanced.values()),
                         launched=self.clock(), compiled=self.compiles.count != compiles)
 
     def _checkpoint_passed(self, seq: Any, start: int) -> None:
@@ -444,8 +438,8 @@ class Scheduler:
                 self.pacer.observe(prefill_tokens, elapsed)
             self.totals["prefill_seconds"] += elapsed
             self.metrics.prefill_seconds.inc(elapsed)
-            if r.owner is not None:
-                r.owner.prefill_seconds += elapsed
+            for a in r.prefillers:
+                a.prefill_seconds += elapsed
         else:
             if not r.compiled:
                 steps = self.engine.config.decode_steps_per_call if r.handle.multi else 1
@@ -454,7 +448,7 @@ class Scheduler:
             self.metrics.decode_seconds.inc(elapsed)
         decoding = {id(a): a for a, c in r.members if c.seq is not None and c.seq.prefilled >= len(c.seq.prompt)}
         for a in decoding.values():
-            if a is not r.owner:
+            if all(a is not p for p in r.prefillers):
                 a.decode_seconds += elapsed
         for ev in events:
             entry = self.by_seq.get(ev.seq_id)

@@ -336,3 +336,21 @@ def test_pipelined_rounds_give_the_same_tokens(params, steps_per_call):
     expected = [reference.add(PROMPT, greedy.params), reference.add(PROMPT[:4], SAMPLED)]
     run_until_done(reference, expected)
     assert [greedy.generated, sampled.generated] == [s.generated for s in expected]
+
+
+def test_no_round_is_launched_past_max_tokens(params):
+    """Rounds in flight that already draw a sequence's last token are not followed by more."""
+    engine = make_engine(params, steps_per_call=4)
+    one = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    first = engine.launch()  # the prompt chunk draws the only token
+    assert engine.launch() is None
+    engine.collect(first)
+    assert one.finish_reason == "length" and len(one.generated) == 1
+    engine.remove(one)
+
+    five = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    handles = [engine.launch(), engine.launch()]  # prompt (token 1), then 4 decode steps (tokens 2-5)
+    assert engine.launch() is None
+    for h in handles:
+        engine.collect(h)
+    assert five.finish_reason == "length" and len(five.generated) == 5
