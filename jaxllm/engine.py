@@ -143,7 +143,6 @@ class Round:
     seqs: dict[int, Sequence]  # slot -> sequence as of dispatch
     multi: bool
     prefill_tokens: int
-    prefill_seq_id: int | None = None
 
 
 def _start_host_copy(output: steps.StepOutput) -> steps.StepOutput:
@@ -359,7 +358,8 @@ class Engine:
 
     # ---- rounds -----------------------------------------------------------------------
     def next_prefill(self) -> Sequence | None:
-        """The sequence whose prompt chunk the next round carries (oldest admitted first)."""
+        """The oldest prefilling sequence: the next round's chunk starts with it (and may pack
+        other fresh prompts beside it, see `_chunk_members`)."""
         prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
         return min(prefilling, key=lambda s: s.id) if prefilling else None
 
@@ -406,7 +406,6 @@ class Engine:
         budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
         # The chunk is padded to its bucket anyway: padded rows cost what prompt tokens do.
         budget = next(b for b in self.config.chunk_buckets if b >= budget)
-        owner = self.next_prefill()
         chunk, ctx_needed, n_prompt, finishing = self._build_chunk(budget)
         self._constrain(inputs, decoding + finishing)
         ctx_needed = max([ctx_needed] + [s.position_bound + 1 for s in decoding])
@@ -422,8 +421,7 @@ class Engine:
                 self.params, self.state, inputs, chunk, cfg=self.cfg, chunk_len=chunk_len, n_ctx_pages=ctx,
                 decode_width=width,
             )
-        return Round(output=_start_host_copy(out), seqs=snapshot, multi=False, prefill_tokens=n_prompt,
-                     prefill_seq_id=owner.id if owner else None)
+        return Round(output=_start_host_copy(out), seqs=snapshot, multi=False, prefill_tokens=n_prompt)
 
     @staticmethod
     def _constrain(inputs: steps.RoundInputs, sampling: list[Sequence]) -> None:
