@@ -300,7 +300,10 @@ async def start_profile(request: Request) -> Any:
     srv = _check_profiling(request, running=False)
     import jax
 
-    await asyncio.get_running_loop().run_in_executor(None, jax.profiler.start_trace, srv.profile_dir)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, jax.profiler.start_trace, srv.profile_dir)
+    except Exception as e:  # noqa: BLE001 - e.g. a trace started by other means
+        raise ApiError(500, f"the profiler did not start: {e}") from None
     srv.profiling = True
     log.info("profiler trace started into %s", srv.profile_dir)
     return response.json({"status": "profiling", "dir": srv.profile_dir})
@@ -313,7 +316,10 @@ async def stop_profile(request: Request) -> Any:
     import jax
 
     srv.profiling = False
-    await asyncio.get_running_loop().run_in_executor(None, jax.profiler.stop_trace)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, jax.profiler.stop_trace)
+    except Exception as e:  # noqa: BLE001
+        raise ApiError(500, f"the profiler trace was not written: {e}") from None
     log.info("profiler trace written under %s", srv.profile_dir)
     return response.json({"status": "written", "dir": srv.profile_dir})
 
