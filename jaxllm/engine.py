@@ -357,11 +357,14 @@ class Engine:
         )
 
     # ---- rounds -----------------------------------------------------------------------
+    def _prefilling(self) -> list[Sequence]:
+        """Sequences with prompt tokens still to prefill, oldest admitted first."""
+        return sorted((s for s in self.seqs.values() if s.prefilled < len(s.prompt)), key=lambda s: s.id)
+
     def next_prefill(self) -> Sequence | None:
         """The oldest prefilling sequence: the next round's chunk starts with it (and may pack
         other fresh prompts beside it, see `_chunk_members`)."""
-        prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
-        return min(prefilling, key=lambda s: s.id) if prefilling else None
+        return next(iter(self._prefilling()), None)
 
     def launch(self, *, prefill_budget: int | None = None) -> Round | None:
         """Dispatches one round (or several decode steps) and returns without waiting.
@@ -374,7 +377,7 @@ class Engine:
           A handle for `collect`, or None when no sequence has work.
         """
         decoding = [s for s in self.seqs.values() if s.decoding and not s.awaiting_host and not s.fully_dispatched]
-        prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
+        prefilling = self._prefilling()
         if not decoding and not prefilling:
             return None
         B = self.layout.max_slots
@@ -447,7 +450,7 @@ class Engine:
         `chunk_segments`, within `budget`) only when every member starts its prompt in this
         chunk, so the round keeps the fused no-context attention path.
         """
-        prefilling = sorted((s for s in self.seqs.values() if s.prefilled < len(s.prompt)), key=lambda s: s.id)
+        prefilling = self._prefilling()
         if not prefilling:
             return []
         first = prefilling[0]

@@ -448,20 +448,23 @@ def utilisation(summary: dict[str, Any], costs: dict[str, int] | None, args: arg
     """
     if not costs or not summary["successful_requests"]:
         return None
+    from jaxllm.costs import ModelCosts
+
+    model = ModelCosts(**costs)
     n_in, n_out = args.input_len, args.output_len
     c = min(args.concurrency or args.num_prompts, args.num_prompts)
     ctx = n_in + n_out / 2
     out: dict[str, Any] = {"concurrency": c, "peak_GBps": args.peak_bandwidth, "peak_TFLOPs": args.peak_tflops}
     tpot = summary["tpot_ms"]["p50"]
     if tpot:
-        step_bytes = costs["step_weight_bytes"] + c * costs["kv_bytes_per_position"] * ctx
+        step_bytes = model.decode_step_bytes(c * ctx)  # weights once, every stream's K/V
         out["decode_mbu"] = step_bytes / (tpot / 1e3) / (args.peak_bandwidth * 1e9)
     ttft = summary["ttft_ms"]["p50"]
-    prefill = costs["layer_flops_per_token"] * n_in + costs["head_flops_per_token"] + costs["attention_flops_per_pair"] * n_in * n_in / 2
+    prefill = model.prefill_flops(n_in)
     if ttft:
         out["prefill_mfu"] = prefill / (ttft / 1e3) / (args.peak_tflops * 1e12)
-    decode = n_out * (costs["layer_flops_per_token"] + costs["head_flops_per_token"] + costs["attention_flops_per_pair"] * ctx)
-    out["run_mfu"] = summary["successful_requests"] * (prefill + decode) / summary["duration_s"] / (args.peak_tflops * 1e12)
+    per_request = prefill + n_out * model.decode_flops(ctx)
+    out["run_mfu"] = summary["successful_requests"] * per_request / summary["duration_s"] / (args.peak_tflops * 1e12)
     return out
 
 

@@ -391,23 +391,21 @@ class Scheduler:
             handle = self.engine.launch(prefill_budget=budget)
             if handle is None:
                 return None
-            for prefilling, start in before:
+            advanced = [(s, start) for s, start in before if s.prefilled > start and s.id in self.by_seq]
+            for prefilling, start in advanced:
                 self._checkpoint_passed(prefilling, start)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
             self._round_failed(members, e)
             return None
-        advanced = {id(a): a for s, start in before if s.prefilled > start and s.id in self.by_seq
-                    for a in [self.by_seq[s.id][0]]}
-        return InFlight(handle=handle, members=members, prefillers=list(advanced.values()),
+        prefillers = {id(a): a for a in (self.by_seq[s.id][0] for s, _ in advanced)}  # n > 1 share a request
+        return InFlight(handle=handle, members=members, prefillers=list(prefillers.values()),
                         launched=self.clock(), compiled=self.compiles.count != compiles)
 
     def _checkpoint_passed(self, seq: Any, start: int) -> None:
         """Checkpoints the prefix-cache boundaries `seq`'s prefill passed since `start`."""
-        entry = self.by_seq.get(seq.id)
-        if entry is None or seq.prefilled == start:
-            return
-        lim = entry[0].job.settings.limits
-        for b in entry[0].job.prepared.boundaries + [len(seq.prompt)]:
+        job = self.by_seq[seq.id][0].job
+        lim = job.settings.limits
+        for b in job.prepared.boundaries + [len(seq.prompt)]:
             if start < b <= seq.prefilled and b >= lim.prefix_cache_min_tokens:
                 self._checkpoint(seq, b)
 
