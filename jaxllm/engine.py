@@ -55,6 +55,13 @@ class EngineConfig:
     # Threads compiling shape variants during warm-up (XLA compiles release the GIL); 0 = auto.
     compile_threads: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "page_size", "decode_steps_per_call", "chunk_segments"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)) or self.chunk_buckets[0] < 1:
+            raise ValueError(f"chunk_buckets must be positive and ascending, got {list(self.chunk_buckets)}")
+
     def widths(self) -> tuple[int, ...]:
         return tuple(sorted({w for w in self.decode_widths if 0 < w < self.max_slots} | {self.max_slots}))
 

@@ -56,6 +56,9 @@ class EngineShape:
     decode_widths: tuple[int, ...] = ()
     chunk_segments: int = 1
 
+    def __post_init__(self) -> None:
+        self.engine_config()  # a bad shape fails when the settings are read, with the runtime's message
+
     def engine_config(self) -> EngineConfig:
         """The runtime's EngineConfig for these shapes."""
         return EngineConfig(

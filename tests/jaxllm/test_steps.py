@@ -259,6 +259,10 @@ def test_bad_inputs_have_clear_errors(params):
         with pytest.raises(ValueError, match=message):
             engine.add([1, 2], SamplingParams(**bad))
     assert engine.seqs == {} and len(engine.free_slots) == 4
+    for bad, message in [(dict(chunk_segments=0), "chunk_segments"), (dict(decode_steps_per_call=0), "decode_steps"),
+                         (dict(chunk_buckets=(128, 32)), "chunk_buckets"), (dict(chunk_buckets=()), "chunk_buckets")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**bad)
 
 
 class AllowList:

@@ -287,3 +287,10 @@ def test_profiling_endpoints_need_a_profile_dir(http):
     for path in ("/start_profile", "/stop_profile"):
         r = http.post(path)
         assert r.status_code == 400 and "--profile-dir" in r.json()["error"]["message"]
+
+
+def test_bad_engine_settings_fail_when_read():
+    from serving.settings import parse_settings
+
+    with pytest.raises(ValueError, match="chunk_segments"):
+        parse_settings({"engine": {"chunk_segments": 0}})
