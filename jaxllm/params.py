@@ -3,9 +3,17 @@
 Stacking lets the same params run under `lax.scan` (fast compiles) or unrolled (fast GPU
 decode) without conversion. Optional pieces (biases, q/k norms, untied lm_head) are None
 where a family lacks them; None is an empty pytree node, so it costs nothing under jit.
+
+Loaders build, and checkpoints store, the *canonical* tree: stacked layers, one matrix per
+projection. The *runtime* tree (`layout_params`) may unroll the layers and fuse projections
+that read the same input (q/k/v; gate/up) into one matrix: a decode step is a chain of
+matrix-vector products, and fewer, larger ones stream the weights closer to memory speed.
+`canonical_params` undoes both.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,22 +24,24 @@ from jaxllm.config import ModelConfig
 
 @struct.dataclass
 class AttentionParams:
-    wq: jax.Array  # [L, D, H, Dh]
-    wk: jax.Array  # [L, D, K, Dh]
-    wv: jax.Array  # [L, D, K, Dh]
+    wq: jax.Array | None  # [L, D, H, Dh]; None once fused into wqkv
+    wk: jax.Array | None  # [L, D, K, Dh]
+    wv: jax.Array | None  # [L, D, K, Dh]
     wo: jax.Array  # [L, H, Dh, D]
     bq: jax.Array | None = None  # [L, H, Dh]   qwen2
     bk: jax.Array | None = None  # [L, K, Dh]
     bv: jax.Array | None = None  # [L, K, Dh]
     q_norm: jax.Array | None = None  # [L, Dh]  qwen3
     k_norm: jax.Array | None = None  # [L, Dh]
+    wqkv: jax.Array | None = None  # [L, D, H + 2K, Dh]: runtime layout only (fuse_projections)
 
 
 @struct.dataclass
 class DenseMlpParams:
-    w_gate: jax.Array  # [L, D, F]
-    w_up: jax.Array  # [L, D, F]
+    w_gate: jax.Array | None  # [L, D, F]; None once fused into w_gate_up
+    w_up: jax.Array | None  # [L, D, F]
     w_down: jax.Array  # [L, F, D]
+    w_gate_up: jax.Array | None = None  # [L, D, 2F]: runtime layout only (fuse_projections)
 
 
 @struct.dataclass
@@ -99,7 +109,7 @@ def param_shapes(cfg: ModelConfig) -> Params:
 def check_params(params: Params, cfg: ModelConfig) -> None:
     """Raises ValueError naming the first leaf whose shape differs from the config's."""
     expected = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))[0]
-    actual = jax.tree_util.tree_flatten_with_path(jax.eval_shape(stack_layers, params))[0]
+    actual = jax.tree_util.tree_flatten_with_path(jax.eval_shape(canonical_params, params))[0]
     if len(expected) != len(actual):
         raise ValueError(f"params have {len(actual)} tensors, the config expects {len(expected)}")
     for (path, want), (_, got) in zip(expected, actual):
@@ -128,6 +138,48 @@ def stack_layers(params: Params) -> Params:
     return params.replace(layers=jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers))
 
 
+def _map_layers(fn: Callable[[LayerParams], LayerParams], params: Params) -> Params:
+    layers = params.layers
+    return params.replace(layers=tuple(map(fn, layers)) if isinstance(layers, tuple) else fn(layers))
+
+
+def fuse_projections(params: Params) -> Params:
+    """q/k/v weights -> one wqkv (heads axis), gate/up -> one w_gate_up (F axis)."""
+
+    def fuse(lp: LayerParams) -> LayerParams:
+        a, mlp = lp.attn, lp.mlp
+        if a.wqkv is None:
+            a = a.replace(wqkv=jnp.concatenate([a.wq, a.wk, a.wv], axis=-2), wq=None, wk=None, wv=None)
+        if isinstance(mlp, DenseMlpParams) and mlp.w_gate_up is None:
+            mlp = mlp.replace(w_gate_up=jnp.concatenate([mlp.w_gate, mlp.w_up], axis=-1), w_gate=None, w_up=None)
+        return lp.replace(attn=a, mlp=mlp)
+
+    return _map_layers(fuse, params)
+
+
+def unfuse_projections(params: Params) -> Params:
+    """The inverse of `fuse_projections` (a no-op on unfused params)."""
+
+    def unfuse(lp: LayerParams) -> LayerParams:
+        a, mlp = lp.attn, lp.mlp
+        if a.wqkv is not None:
+            H = a.wo.shape[-3]
+            K = (a.wqkv.shape[-2] - H) // 2
+            wq, wk, wv = jnp.split(a.wqkv, [H, H + K], axis=-2)
+            a = a.replace(wq=wq, wk=wk, wv=wv, wqkv=None)
+        if isinstance(mlp, DenseMlpParams) and mlp.w_gate_up is not None:
+            w_gate, w_up = jnp.split(mlp.w_gate_up, 2, axis=-1)
+            mlp = mlp.replace(w_gate=w_gate, w_up=w_up, w_gate_up=None)
+        return lp.replace(attn=a, mlp=mlp)
+
+    return _map_layers(unfuse, params)
+
+
 def layout_params(params: Params, scan_layers: bool) -> Params:
-    """The params layout a config's `scan_layers` setting runs fastest with."""
-    return stack_layers(params) if scan_layers else unstack_layers(params)
+    """The runtime tree: layers stacked for `lax.scan` or unrolled, projections fused."""
+    return fuse_projections(stack_layers(params) if scan_layers else unstack_layers(params))
+
+
+def canonical_params(params: Params) -> Params:
+    """The tree loaders build and checkpoints store: stacked layers, unfused projections."""
+    return stack_layers(unfuse_projections(params))

@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxllm.config import ModelConfig, RopeScaling
-from jaxllm.params import Params, check_params, param_shapes
+from jaxllm.params import Params, canonical_params, check_params, param_shapes
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
@@ -83,8 +83,9 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
 
 
 def save_model(path: str | Path, cfg: ModelConfig, params: Params) -> None:
-    """Writes params (orbax) and the config (JSON) into directory `path`."""
+    """Writes params (orbax, the canonical tree) and the config (JSON) into directory `path`."""
     check_params(params, cfg)
+    params = canonical_params(params)  # a runtime tree (unrolled, fused) is stored like any other
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_pytree(path / PARAMS_DIR, params)

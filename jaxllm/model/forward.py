@@ -15,7 +15,7 @@ from flax import struct
 
 from jaxllm.attention.fused import chunk_attention, fused_attention_available
 from jaxllm.attention.paged_decode import decode_kernel_available, paged_decode_attention
-from jaxllm.attention.reference import Windows, paged_attention
+from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference
 from jaxllm.config import ModelConfig
 from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, rms_norm, rope_inv_freq
 from jaxllm.params import LayerParams, MoeParams, Params
@@ -29,7 +29,7 @@ class TokenBatch:
     tokens: jax.Array  # [T] i32
     slots: jax.Array  # [T] i32; the trash row (B) for padding
     positions: jax.Array  # [T] i32
-    decode: Windows  # one-token windows
+    decode: Windows  # one-token windows; window i is row i (the batch's first rows)
     chunks: Windows  # multi-token windows (prompt chunks)
 
 
@@ -49,9 +49,13 @@ def _layer(
     a = lp.attn
     inv_freq = rope_inv_freq(cfg)
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
-    q = jnp.einsum("td,dhk->thk", h, a.wq)
-    k = jnp.einsum("td,dhk->thk", h, a.wk)
-    v = jnp.einsum("td,dhk->thk", h, a.wv)
+    if a.wqkv is not None:  # the runtime layout: one matmul for all three
+        H = cfg.n_heads
+        q, k, v = jnp.split(jnp.einsum("td,dhk->thk", h, a.wqkv), [H, H + cfg.n_kv_heads], axis=1)
+    else:
+        q = jnp.einsum("td,dhk->thk", h, a.wq)
+        k = jnp.einsum("td,dhk->thk", h, a.wk)
+        v = jnp.einsum("td,dhk->thk", h, a.wv)
     if a.bq is not None:
         q, k, v = q + a.bq, k + a.bk, v + a.bv
     if a.q_norm is not None:
@@ -69,7 +73,9 @@ def _layer(
     if _use_decode_kernel(cfg) and batch.decode.slot.shape[0]:
         attn = _decode_kernel_attention(q, k, v, kv, layer_index, page_table, batch, n_ctx_pages, cfg)
     else:
-        attn = attend(batch.decode, window_len=1)
+        attn = paged_decode_reference(
+            q, k, v, batch.positions, k_layer, v_layer, page_table, batch.decode, n_ctx_pages=n_ctx_pages
+        )
     if batch.chunks.slot.shape[0] and fused_attention_available(cfg.dtype):
         attn = attn + chunk_attention(
             q, k, v, batch.positions, k_layer, v_layer, page_table, batch.chunks,

@@ -50,8 +50,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 def dense_mlp(x: jax.Array, p: DenseMlpParams) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x)); x [T, D]."""
-    gate = jnp.einsum("td,df->tf", x, p.w_gate)
-    up = jnp.einsum("td,df->tf", x, p.w_up)
+    if p.w_gate_up is not None:  # the runtime layout: one matmul for both
+        gate, up = jnp.split(jnp.einsum("td,df->tf", x, p.w_gate_up), 2, axis=1)
+    else:
+        gate = jnp.einsum("td,df->tf", x, p.w_gate)
+        up = jnp.einsum("td,df->tf", x, p.w_up)
     return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, p.w_down)
 
 

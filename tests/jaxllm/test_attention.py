@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention.fused import chunk_attention, fresh_causal_attention
-from jaxllm.attention.reference import Windows, paged_attention
+from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference
 
 T, H, K, Dh, P, PAGE = 24, 4, 2, 16, 12, 4
 
@@ -73,3 +73,18 @@ def test_chunk_attention_picks_a_correct_path_either_way():
             *args, window_len=10, n_ctx_pages=5, implementation="xla"
         )
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_reference_matches_general_path():
+    """Decode windows (window i = row i, one token) through the specialised path: rows past
+    the windows and empty windows give zeros; cached lengths 0, mid-page and a full bucket."""
+    q, k_new, v_new, _, k_pages, v_pages, page_table, _ = _inputs(3, (0, 0))
+    windows = Windows(slot=jnp.asarray([0, 1, 2]), start=jnp.asarray([0, 1, 2]), length=jnp.asarray([1, 1, 0]))
+    for cached in [(0, 7), (13, 20)]:
+        positions = jnp.zeros((T,), jnp.int32).at[:2].set(jnp.asarray(cached))
+        args = (q, k_new, v_new, positions, k_pages, v_pages, page_table, windows)
+        want = paged_attention(*args, window_len=1, n_ctx_pages=5)
+        got = paged_decode_reference(*args, n_ctx_pages=5)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert not np.any(np.asarray(got)[2:])  # the empty window and the non-decode rows
+        assert np.any(np.asarray(got)[:2])

@@ -18,7 +18,7 @@ from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.gguf import load_gguf_model
 from jaxllm.loading.orbax_io import load_orbax_model, restore_pytree, save_model, save_pytree
 from jaxllm.loading.safetensors import load_safetensors_model
-from jaxllm.params import Params, param_shapes
+from jaxllm.params import Params, canonical_params, layout_params, param_shapes
 
 from hf_tiny import LLAMA3_ROPE, hf_to_gguf, make_tiny_hf_model, read_hf_state  # tests/ is on sys.path (conftest)
 
@@ -39,8 +39,13 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+TINY_DENSE = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=8, ffn_dim=48, max_position=64)
+
+
 def assert_matches_hf(cfg: ModelConfig, params: Params, state: dict[str, np.ndarray], atol: float = 0.0) -> None:
     """Checks every param against the HF state dict through the einsum conventions."""
+    params = canonical_params(params)  # load_model returns the runtime tree (fused, maybe unrolled)
     H, K, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
     close = lambda got, want, what: np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=atol, rtol=0, err_msg=what)
     x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
@@ -252,12 +257,15 @@ def test_real_default_gguf(request: pytest.FixtureRequest) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_orbax_model_round_trip(hf_dirs: dict[str, Path], tmp_path: Path, dtype: str) -> None:
     cfg, params = load_safetensors_model(hf_dirs["qwen2"], dtype=dtype, progress=False)
-    save_model(tmp_path / "ckpt", cfg, params)
+    # What a user holds after `load_model` is the runtime tree (fused, maybe unrolled); it is
+    # stored as the canonical one.
+    _, runtime = load_model(str(hf_dirs["qwen2"]), dtype=dtype, scan_layers=False)
+    save_model(tmp_path / "ckpt", cfg, runtime)
     assert detect_format(tmp_path / "ckpt") == "orbax"
     cfg2, params2 = load_model(str(tmp_path / "ckpt"), dtype=dtype)
     assert cfg2 == cfg
-    chex.assert_trees_all_equal(params2, params)
-    chex.assert_trees_all_equal_dtypes(params2, params)
+    chex.assert_trees_all_equal(canonical_params(params2), params)
+    chex.assert_trees_all_equal_dtypes(canonical_params(params2), params)
 
 
 def test_orbax_pytree_round_trip(tmp_path: Path) -> None:
@@ -289,6 +297,17 @@ def test_preset_values() -> None:
     assert round(by_name["smollm2-135m"].param_count() / 1e6) == 135
     for p in CONFIGS:
         assert json.loads(p.read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_runtime_layout_round_trips(scan_layers: bool) -> None:
+    """The runtime tree (fused q/k/v and gate/up, maybe unrolled) converts back exactly."""
+    for cfg in (TINY_DENSE, TINY_DENSE.replace(family="qwen2", qkv_bias=True)):
+        params = dummy_params(cfg, seed=2)
+        runtime = layout_params(params, scan_layers)
+        layer = runtime.layers if scan_layers else runtime.layers[0]
+        assert layer.attn.wq is None and layer.attn.wqkv is not None and layer.mlp.w_gate_up is not None
+        chex.assert_trees_all_equal(canonical_params(runtime), params)
 
 
 def test_dummy_allocates_tiny(tmp_path: Path) -> None:
