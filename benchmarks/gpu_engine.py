@@ -23,7 +23,7 @@ from jaxllm.config import load_config_json
 from jaxllm.costs import model_costs
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
-from jaxllm.params import layout_params
+from jaxllm.params import layout_params, unfuse_projections
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import kv_bytes_per_page
 
@@ -112,7 +112,7 @@ def decode_seconds_per_call(engine: Engine, calls: int = 5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/llama3-8b.json")
-    ap.add_argument("--cases", default="ceil,parity,a,aref,b,c")
+    ap.add_argument("--cases", default="ceil,parity,a,aref,a_unfused,amv,b,c")
     ap.add_argument("--scan", action="store_true", help="lax.scan over layers instead of unrolled")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
@@ -135,22 +135,30 @@ def main() -> None:
     costs = model_costs(cfg, params)
     rng = np.random.default_rng(0)
 
-    runs = [(steps, "auto") for steps in sorted({1, args.steps})] if "a" in cases else []
-    runs += [(args.steps, "reference")] if "aref" in cases else []  # before the Pallas decode kernel
-    for steps, attention in runs:
-        eng = engine_for(cfg.replace(decode_attention=attention), params, slots=1, max_seq_len=2048, chunk=1024,
-                         steps=steps)
+    runs = [(steps, "auto", "xla") for steps in sorted({1, args.steps})] if "a" in cases else []
+    runs += [(args.steps, "auto", "xla")] if "a_steps" in cases else []  # "a" without the 1-step call
+    runs += [(args.steps, "reference", "xla")] if "aref" in cases else []  # before the Pallas decode kernel
+    runs += [(args.steps, "auto", "pallas")] if "amv" in cases else []  # the matvec kernel's projections
+    runs += [(args.steps, "auto", "unfused")] if "a_unfused" in cases else []  # one matmul per projection
+    for steps, attention, matmul in runs:
+        run_params = params
+        if matmul == "unfused":  # the layout before fuse_projections, for an A/B in one process
+            run_params = unfuse_projections(params)
+            matmul = "xla"
+        eng = engine_for(cfg.replace(decode_attention=attention, decode_matmul=matmul), run_params, slots=1,
+                         max_seq_len=2048, chunk=1024, steps=steps)
         t = time.perf_counter()
         prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
         first = time.perf_counter() - t
         per_call = decode_seconds_per_call(eng)
         step_s = per_call / steps
         bytes_step = costs.decode_step_bytes(CTX + 80)
-        tag = f"steps{steps}" + ("" if attention == "auto" else f"_{attention}")
+        tag = f"steps{steps}" + ("" if attention == "auto" else f"_{attention}") + ("" if matmul == "xla" else f"_{matmul}")
+        tag += "_unfused" if run_params is not params else ""
         results[f"a_decode_ms_b1_ctx1k_{tag}"] = step_s * 1e3
         results[f"a_mbu_{tag}"] = bytes_step / step_s / 4.3e12
         results[f"a_first_prefill_incl_compile_s_{tag}"] = first
-        print(f"A steps/call={steps} attention={attention}: {step_s*1e3:.2f} ms/token, "
+        print(f"A {tag}: {step_s*1e3:.2f} ms/token, "
               f"MBU {bytes_step/step_s/4.3e12:.0%} of 4.3 TB/s", flush=True)
         del eng
 

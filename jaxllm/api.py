@@ -139,14 +139,15 @@ def load(
     scan_layers: bool = True,
     config_path: str | None = None,
     decode_attention: str = "auto",
+    decode_matmul: str = "xla",
 ) -> Model:
     """Loads a model by name ("smollm2"), path (.gguf, HF directory, orbax directory) or preset.
 
-    `scan_layers` and `decode_attention` are runtime choices stored on the config (see
-    `ModelConfig`).
+    `scan_layers`, `decode_attention` and `decode_matmul` are runtime choices stored on the
+    config (see `ModelConfig`).
     """
     cfg, params = load_model(model, fmt=load_format, dtype=dtype, scan_layers=scan_layers, config_path=config_path)
-    cfg = cfg.replace(decode_attention=decode_attention)
+    cfg = cfg.replace(decode_attention=decode_attention, decode_matmul=decode_matmul)
     return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(model, load_format, cfg))
 
 

@@ -15,6 +15,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unroll-layers", action="store_true", help="unrolled layers (faster on GPU, slower compile)")
     p.add_argument("--decode-attention", default="auto", choices=["auto", "reference"],
                    help="decode attention: auto = Pallas paged kernel on GPU, reference = plain jnp everywhere")
+    p.add_argument("--decode-matmul", default="xla", choices=["xla", "pallas"],
+                   help="decode projections: xla = XLA's GEMV, pallas = the matvec kernel on GPU")
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +38,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from jaxllm.sampling import SamplingParams
 
     model = load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
-                 decode_attention=args.decode_attention)
+                 decode_attention=args.decode_attention,
+                 decode_matmul=args.decode_matmul)
     if args.chat:
         ids = model.chat_ids([{"role": "user", "content": args.prompt}])
     else:

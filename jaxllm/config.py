@@ -59,10 +59,16 @@ class ModelConfig:
     # the jnp reference elsewhere; "reference" forces the reference; "interpret" runs the
     # kernel in the Pallas interpreter (CPU tests of the wiring; slow).
     decode_attention: str = "auto"
+    # Projections of rounds with few tokens (decode): "xla" lets XLA pick its GEMV; "pallas"
+    # runs the hand-written matvec kernel (jaxllm.model.matvec) where it compiles (GPU);
+    # "interpret" runs that kernel in the Pallas interpreter (CPU tests of the wiring).
+    decode_matmul: str = "xla"
 
     def __post_init__(self) -> None:
         if self.decode_attention not in ("auto", "reference", "interpret"):
             raise ValueError(f"decode_attention must be auto, reference or interpret, got {self.decode_attention!r}")
+        if self.decode_matmul not in ("xla", "pallas", "interpret"):
+            raise ValueError(f"decode_matmul must be xla, pallas or interpret, got {self.decode_matmul!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:

@@ -9,7 +9,8 @@ plus one paced prompt chunk); a failing round fails only its requests. If the th
 
 Rounds are pipelined: the worker launches round N+1 before it collects round N, so the
 host's work on round N's tokens (detokenizing, stop strings, tool calls, frames) overlaps
-the device running round N+1. The engine plans round N+1 without round N's tokens: decode
+the device running round N+1; except after a round that completes prompts, whose first
+tokens are collected before the next launch (see `run_once`). The engine plans round N+1 without round N's tokens: decode
 tokens stay on the device, and a sequence that stopped in round N is skipped there by its
 on-device flag.
 
@@ -131,6 +132,7 @@ class InFlight:
     prefillers: list["Active"]  # the requests whose prompt chunks ride in the round
     launched: float
     compiled: bool  # the launch compiled a new variant (its time says nothing about speed)
+    completes_prompts: bool = False  # some prompt's last chunk rides in it: it has first tokens
 
 
 @dataclasses.dataclass
@@ -266,6 +268,15 @@ class Scheduler:
         self._intake(block=block and idle)
         self._reap_cancelled()
         self._admit()
+        if self._in_flight is not None and self._in_flight.completes_prompts:
+            # First tokens are collected before the next launch. On the GPU a launch returns
+            # only when the device has nearly run it (a call's thousands of kernels fill the
+            # CUDA launch queue; benchmarks/pipeline_check.py), so launching first would hold
+            # every first token back by a whole decode call.
+            self._finish(self._in_flight)
+            self._in_flight = None
+            for a in self.active:  # out now, not after the next launch returns
+                a.job.output.flush()
         launched = self._launch() if self.active else None
         if self._in_flight is not None:
             self._finish(self._in_flight)
@@ -398,8 +409,10 @@ class Scheduler:
             self._round_failed(members, e)
             return None
         prefillers = {id(a): a for a in (self.by_seq[s.id][0] for s, _ in advanced)}  # n > 1 share a request
+        completes = any(s.prefilled >= len(s.prompt) for s, _ in advanced)
         return InFlight(handle=handle, members=members, prefillers=list(prefillers.values()),
-                        launched=self.clock(), compiled=self.compiles.count != compiles)
+                        launched=self.clock(), compiled=self.compiles.count != compiles,
+                        completes_prompts=completes)
 
     def _checkpoint_passed(self, seq: Any, start: int) -> None:
         """Checkpoints the prefix-cache boundaries `seq`'s prefill passed since `start`."""

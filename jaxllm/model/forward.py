@@ -17,7 +17,7 @@ from jaxllm.attention.fused import chunk_attention, fused_attention_available
 from jaxllm.attention.paged_decode import decode_kernel_available, paged_decode_attention
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference
 from jaxllm.config import ModelConfig
-from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, rms_norm, rope_inv_freq
+from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.params import LayerParams, MoeParams, Params
 from jaxllm.state import KVCache
 
@@ -49,13 +49,12 @@ def _layer(
     a = lp.attn
     inv_freq = rope_inv_freq(cfg)
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
+    mm = _matmul_kernel(cfg, x.shape[0])
     if a.wqkv is not None:  # the runtime layout: one matmul for all three
         H = cfg.n_heads
-        q, k, v = jnp.split(jnp.einsum("td,dhk->thk", h, a.wqkv), [H, H + cfg.n_kv_heads], axis=1)
+        q, k, v = jnp.split(project(h, a.wqkv, kernel=mm), [H, H + cfg.n_kv_heads], axis=1)
     else:
-        q = jnp.einsum("td,dhk->thk", h, a.wq)
-        k = jnp.einsum("td,dhk->thk", h, a.wk)
-        v = jnp.einsum("td,dhk->thk", h, a.wv)
+        q, k, v = (project(h, w, kernel=mm) for w in (a.wq, a.wk, a.wv))
     if a.bq is not None:
         q, k, v = q + a.bq, k + a.bk, v + a.bv
     if a.q_norm is not None:
@@ -83,15 +82,32 @@ def _layer(
         )
     elif batch.chunks.slot.shape[0]:
         attn = attn + attend(batch.chunks, window_len=chunk_len)
-    x = x + jnp.einsum("thk,hkd->td", attn, a.wo)
+    x = x + project(attn, a.wo, 2, kernel=mm)
 
     h = rms_norm(x, lp.mlp_norm, cfg.rms_eps)
     if isinstance(lp.mlp, MoeParams):
         valid = batch.slots < page_table.shape[0] - 1
         out, expert_tokens = moe_mlp(h, lp.mlp, cfg, valid)
     else:
-        out, expert_tokens = dense_mlp(h, lp.mlp), jnp.zeros((0,), jnp.int32)
+        out, expert_tokens = dense_mlp(h, lp.mlp, kernel=mm), jnp.zeros((0,), jnp.int32)
     return x + out, (k, v), expert_tokens
+
+
+# Rounds of at most this many tokens run their projections through the matvec kernel: on
+# an H200 it beat XLA's GEMV at one row (8B shapes: 4.28 vs 4.60 ms per step's chain) and lost
+# at 8 and 64 rows (benchmarks/matvec_check.py).
+MATVEC_MAX_ROWS = 1
+
+
+def _matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
+    """Which `project` kernel this round's projections use (see ModelConfig.decode_matmul)."""
+    if n_tokens > MATVEC_MAX_ROWS or cfg.decode_matmul == "xla":
+        return "xla"
+    if cfg.decode_matmul == "interpret":
+        return "interpret"
+    from jaxllm.model.matvec import matvec_available
+
+    return "pallas" if matvec_available(cfg.dtype) else "xla"
 
 
 def _use_decode_kernel(cfg: ModelConfig) -> bool:

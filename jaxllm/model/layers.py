@@ -48,14 +48,29 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotated.astype(x.dtype)
 
 
-def dense_mlp(x: jax.Array, p: DenseMlpParams) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, n_contract: int = 1, *, kernel: str = "xla") -> jax.Array:
+    """x's last `n_contract` axes times w's first ones, e.g. [T, D] x [D, H, Dh] -> [T, H, Dh].
+
+    kernel "xla" is XLA's dot; "pallas" / "interpret" run the matvec kernel on the free 2-D
+    views of x and w (for rounds of a few tokens; see `jaxllm.model.matvec`).
+    """
+    if kernel == "xla":
+        return jnp.tensordot(x, w, axes=n_contract)
+    from jaxllm.model.matvec import matvec
+
+    lead, inner = x.shape[: x.ndim - n_contract], math.prod(w.shape[:n_contract])
+    out = matvec(x.reshape(-1, inner), w.reshape(inner, -1), interpret=kernel == "interpret")
+    return out.reshape(*lead, *w.shape[n_contract:])
+
+
+def dense_mlp(x: jax.Array, p: DenseMlpParams, *, kernel: str = "xla") -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x)); x [T, D]."""
     if p.w_gate_up is not None:  # the runtime layout: one matmul for both
-        gate, up = jnp.split(jnp.einsum("td,df->tf", x, p.w_gate_up), 2, axis=1)
+        gate, up = jnp.split(project(x, p.w_gate_up, kernel=kernel), 2, axis=1)
     else:
-        gate = jnp.einsum("td,df->tf", x, p.w_gate)
-        up = jnp.einsum("td,df->tf", x, p.w_up)
-    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, p.w_down)
+        gate = project(x, p.w_gate, kernel=kernel)
+        up = project(x, p.w_up, kernel=kernel)
+    return project(jax.nn.silu(gate) * up, p.w_down, kernel=kernel)
 
 
 def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig, valid: jax.Array) -> tuple[jax.Array, jax.Array]:

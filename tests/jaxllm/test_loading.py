@@ -304,10 +304,11 @@ def test_runtime_layout_round_trips(scan_layers: bool) -> None:
     """The runtime tree (fused q/k/v and gate/up, maybe unrolled) converts back exactly."""
     for cfg in (TINY_DENSE, TINY_DENSE.replace(family="qwen2", qkv_bias=True)):
         params = dummy_params(cfg, seed=2)
-        runtime = layout_params(params, scan_layers)
+        runtime = layout_params(params, scan_layers, fuse=True)
         layer = runtime.layers if scan_layers else runtime.layers[0]
         assert layer.attn.wq is None and layer.attn.wqkv is not None and layer.mlp.w_gate_up is not None
         chex.assert_trees_all_equal(canonical_params(runtime), params)
+        chex.assert_trees_all_equal(canonical_params(layout_params(params, scan_layers, fuse=False)), params)
 
 
 def test_dummy_allocates_tiny(tmp_path: Path) -> None:

@@ -211,17 +211,18 @@ def test_packed_prompts_give_the_same_tokens(params):
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
-def test_decode_kernel_in_the_step_gives_the_same_tokens(params, scan_layers):
-    """The Pallas paged decode kernel (interpreted on CPU) wired into the forward, in mixed
-    rounds and multi-step decode calls, samples what the reference attention samples."""
+def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
+    """The Pallas paged decode kernel and the matvec kernel (interpreted on CPU) wired into
+    the forward, in mixed rounds and multi-step decode calls, sample what the reference
+    attention and XLA's dots sample."""
     from jaxllm.params import layout_params
 
     laid_out = layout_params(params, scan_layers)
     prompts = [PROMPT, list(range(3, 40))]  # the second prefills in chunks while the first decodes
     sampling = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True) for i in range(2)]
 
-    def run(decode_attention: str) -> list[list[int]]:
-        cfg = CFG.replace(scan_layers=scan_layers, decode_attention=decode_attention)
+    def run(**kernels: str) -> list[list[int]]:
+        cfg = CFG.replace(scan_layers=scan_layers, **kernels)
         engine = make_engine(laid_out, steps_per_call=3, cfg=cfg)
         first = engine.add(prompts[0], sampling[0])
         engine.step()
@@ -229,7 +230,10 @@ def test_decode_kernel_in_the_step_gives_the_same_tokens(params, scan_layers):
         run_until_done(engine, [first, second])
         return [first.generated, second.generated]
 
-    assert run("interpret") == run("reference")
+    reference = run(decode_attention="reference")
+    assert run(decode_attention="interpret") == reference
+    # The matvec kernel in every projection of the rounds with few tokens (decode rounds).
+    assert run(decode_attention="reference", decode_matmul="interpret") == reference
 
 
 def test_steps_donate_the_state_without_copies(params):
