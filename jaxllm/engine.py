@@ -41,7 +41,10 @@ class EngineConfig:
     kv_bytes: int = 256 << 20
     max_seq_len: int = 2048
     page_size: int = 16
-    chunk_buckets: tuple[int, ...] = (32, 128, 512)
+    # Padding to the bucket is compute thrown away (a CPU prefill is compute-bound): each bucket
+    # at most doubles the one below. A 256 bucket took 8 x 256-token prompts + 128 tokens each
+    # from 49 to 66 tok/s end to end on the 2-core CPU (docs/benchmarks.md).
+    chunk_buckets: tuple[int, ...] = (32, 128, 256, 512)
     min_ctx_pages: int = 8
     decode_steps_per_call: int = 4
     # Widths of a round's decode part (slots [0, width) ); rounds use the smallest that

@@ -50,7 +50,7 @@ class EngineShape:
     kv_mib: int = 256
     max_seq_len: int = 2048
     page_size: int = 16
-    chunk_buckets: tuple[int, ...] = (32, 128, 512)
+    chunk_buckets: tuple[int, ...] = (32, 128, 256, 512)
     min_ctx_pages: int = 8
     decode_steps_per_call: int = 4
     decode_widths: tuple[int, ...] = ()
