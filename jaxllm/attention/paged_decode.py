@@ -23,7 +23,6 @@ stack as a kernel operand would be copied (the whole layer's pool) before every 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
