@@ -135,16 +135,14 @@ def main() -> None:
     costs = model_costs(cfg, params)
     rng = np.random.default_rng(0)
 
-    runs = [(steps, "auto", "xla") for steps in sorted({1, args.steps})] if "a" in cases else []
-    runs += [(args.steps, "auto", "xla")] if "a_steps" in cases else []  # "a" without the 1-step call
-    runs += [(args.steps, "reference", "xla")] if "aref" in cases else []  # before the Pallas decode kernel
-    runs += [(args.steps, "auto", "pallas")] if "amv" in cases else []  # the matvec kernel's projections
-    runs += [(args.steps, "auto", "unfused")] if "a_unfused" in cases else []  # one matmul per projection
-    for steps, attention, matmul in runs:
-        run_params = params
-        if matmul == "unfused":  # the layout before fuse_projections, for an A/B in one process
-            run_params = unfuse_projections(params)
-            matmul = "xla"
+    # (steps per call, decode attention, decode matmul, fused projections)
+    runs = [(steps, "auto", "xla", True) for steps in sorted({1, args.steps})] if "a" in cases else []
+    runs += [(args.steps, "auto", "xla", True)] if "a_steps" in cases else []  # "a" without the 1-step call
+    runs += [(args.steps, "reference", "xla", True)] if "aref" in cases else []  # before the Pallas decode kernel
+    runs += [(args.steps, "auto", "pallas", True)] if "amv" in cases else []  # the matvec kernel's projections
+    runs += [(args.steps, "auto", "xla", False)] if "a_unfused" in cases else []  # one matmul per projection
+    for steps, attention, matmul, fused in runs:
+        run_params = params if fused else unfuse_projections(params)
         eng = engine_for(cfg.replace(decode_attention=attention, decode_matmul=matmul), run_params, slots=1,
                          max_seq_len=2048, chunk=1024, steps=steps)
         t = time.perf_counter()
@@ -154,7 +152,7 @@ def main() -> None:
         step_s = per_call / steps
         bytes_step = costs.decode_step_bytes(CTX + 80)
         tag = f"steps{steps}" + ("" if attention == "auto" else f"_{attention}") + ("" if matmul == "xla" else f"_{matmul}")
-        tag += "_unfused" if run_params is not params else ""
+        tag += "" if fused else "_unfused"
         results[f"a_decode_ms_b1_ctx1k_{tag}"] = step_s * 1e3
         results[f"a_mbu_{tag}"] = bytes_step / step_s / 4.3e12
         results[f"a_first_prefill_incl_compile_s_{tag}"] = first

@@ -1,11 +1,11 @@
 """Does collecting round N wait for round N+1 launched behind it? (GPU diagnostic)
 
 Times, on the engine at the 8B shape: a prompt round collected alone, and the same round
-collected after a decode call was launched behind it, with and without the early host copy
-(`jaxllm.engine._start_host_copy`). If collect waits for the round behind it, the second time
-is the first plus a decode call; if a launch waits for the round before it (holding the GIL,
-the server's event loop could not send the first token meanwhile), "launches returned" is
-about the prompt round's time.
+collected after a decode call was launched behind it. If collect waits for the round behind
+it, the second time is the first plus a decode call; if a launch returns only once the device
+has (nearly) run it, "launches returned" is about the rounds' time. On an H200 (2026-12-03,
+docs/benchmarks.md) both held: 28.9 ms alone, 69.5 ms with a decode call behind; starting the
+host copy at launch changed nothing, so the scheduler collects prompt-completing rounds first.
 
     python benchmarks/pipeline_check.py --config configs/llama3-8b.json
 """
@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 
-import jaxllm.engine as engine_mod
 from jaxllm.config import load_config_json
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
@@ -38,7 +37,6 @@ def main() -> None:
                           chunk_buckets=(1024,), min_ctx_pages=64, decode_steps_per_call=8)
     eng = Engine(cfg, params, eos_ids=[], config=config)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len).tolist()
-    early_copy = engine_mod._start_host_copy
 
     def once(behind: bool) -> tuple[float, float, float]:
         seq = eng.add(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
@@ -54,14 +52,12 @@ def main() -> None:
         eng.remove(seq)
         return launched, got_first, total
 
-    for copy in (True, False):
-        engine_mod._start_host_copy = early_copy if copy else (lambda out: out)
-        for behind in (False, True):
-            once(behind)  # compile / warm
-            runs = [once(behind) for _ in range(5)]
-            lau, f, tot = (statistics.median(r[i] for r in runs) * 1e3 for i in range(3))
-            print(f"early host copy={copy!s:5} decode call launched behind={behind!s:5}: launches returned after "
-                  f"{lau:.1f} ms, first token collected after {f:.1f} ms (both rounds {tot:.1f} ms)", flush=True)
+    for behind in (False, True):
+        once(behind)  # compile / warm
+        runs = [once(behind) for _ in range(5)]
+        lau, f, tot = (statistics.median(r[i] for r in runs) * 1e3 for i in range(3))
+        print(f"decode call launched behind={behind!s:5}: launches returned after "
+              f"{lau:.1f} ms, first token collected after {f:.1f} ms (both rounds {tot:.1f} ms)", flush=True)
 
 
 if __name__ == "__main__":

@@ -155,15 +155,6 @@ class Round:
     prefill_tokens: int
 
 
-def _start_host_copy(output: steps.StepOutput) -> steps.StepOutput:
-    """Starts the round's device-to-host copy now, ahead of rounds launched after it, so
-    `collect` need not wait for them (see benchmarks/pipeline_check.py; on the H200 the
-    single-stream TTFT moved only 117 -> 115 ms with it, see docs/benchmarks.md)."""
-    for leaf in jax.tree.leaves(output):
-        leaf.copy_to_host_async()
-    return output
-
-
 class Engine:
     """Owns params + decode state + compiled steps; `add` / `launch` / `collect` / `remove`."""
 
@@ -413,7 +404,7 @@ class Engine:
                 self.state, out = steps.decode_steps(
                     self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx, decode_width=width
                 )
-            return Round(output=_start_host_copy(out), seqs=snapshot, multi=True, prefill_tokens=0)
+            return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 
         max_chunk = self.config.chunk_buckets[-1]
         budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
@@ -434,7 +425,7 @@ class Engine:
                 self.params, self.state, inputs, chunk, cfg=self.cfg, chunk_len=chunk_len, n_ctx_pages=ctx,
                 decode_width=width,
             )
-        return Round(output=_start_host_copy(out), seqs=snapshot, multi=False, prefill_tokens=n_prompt)
+        return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt)
 
     @staticmethod
     def _constrain(inputs: steps.RoundInputs, sampling: list[Sequence]) -> None:

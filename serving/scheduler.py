@@ -275,19 +275,21 @@ class Scheduler:
             # every first token back by a whole decode call.
             self._finish(self._in_flight)
             self._in_flight = None
-            for a in self.active:  # out now, not after the next launch returns
-                a.job.output.flush()
+            self._flush_outputs()  # out now, not after the next launch returns
         launched = self._launch() if self.active else None
         if self._in_flight is not None:
             self._finish(self._in_flight)
         self._in_flight = launched
-        for a in self.active:
-            a.job.output.flush()
+        self._flush_outputs()
         now = self.clock()
         if now - self._last_housekeeping >= 1.0:
             self._housekeeping()
             self._last_housekeeping = now
         self.publish()
+
+    def _flush_outputs(self) -> None:
+        for a in self.active:
+            a.job.output.flush()
 
     def _intake(self, *, block: bool) -> None:
         try:

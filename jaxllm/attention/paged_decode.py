@@ -29,24 +29,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # Triton compiler parameters; absent only in JAX builds without the GPU Pallas backend.
-    from jax.experimental.pallas import triton as _plgpu
-except ImportError:  # pragma: no cover
-    _plgpu = None
+from jaxllm.pallas_triton import MIN_DOT, compiler_params, whole_block
 
 _MASKED = -1e30  # finite: exp(_MASKED - m) is 0 without inf - inf = nan
-_MIN_DOT = 16  # Triton's dot wants every dimension >= 16
 _TARGET_PROGRAMS = 256  # ~2 programs per SM on an H200 (132 SMs): measured best for W = 8
 _TRASH_PAGE = 0  # page never handed out (see jaxllm.state): dead rows read it, an L2 hit
 
-
-def decode_kernel_available(dtype: str | jnp.dtype) -> bool:
-    """The Pallas decode kernel compiles (Triton) on GPUs for float32 and half precision."""
-    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (
-        jnp.dtype(jnp.float32),
-        jnp.dtype(jnp.bfloat16),
-        jnp.dtype(jnp.float16),
-    )
 
 
 def default_splits(n_windows: int, n_kv_heads: int, n_ctx_pages: int, pages_per_block: int) -> int:
@@ -203,7 +191,7 @@ def paged_decode_attention(
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if pages_per_block is None:
         pages_per_block = max(1, 64 // page_size)
-    pages_per_block = max(pages_per_block, -(-_MIN_DOT // page_size))
+    pages_per_block = max(pages_per_block, -(-MIN_DOT // page_size))
     if n_splits is None:
         n_splits = default_splits(W, K, n_ctx_pages, pages_per_block)
     scale = Dh**-0.5
@@ -211,7 +199,7 @@ def paged_decode_attention(
     precision = lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None
 
     # Query heads of one kv head, padded to a power of two >= 16 rows (zeros, sliced off).
-    gp = max(_MIN_DOT, pl.next_power_of_2(G))
+    gp = max(MIN_DOT, pl.next_power_of_2(G))
     qg = q.reshape(W, K, G, Dh).astype(k_pages.dtype)
     q_pad = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
     # Blocks may run up to pages_per_block - 1 pages past the live range: pad the ids so
@@ -239,20 +227,17 @@ def paged_decode_attention(
         """An index map of (w, h, s) over a grid laid out in `grid_order`."""
         return lambda *g: index_map(*(g[grid_order.index(axis)] for axis in "whs"))
 
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *g: (0,) * a.ndim)  # noqa: E731
-    compiler_params = None
-    if _plgpu is not None and not interpret:
-        compiler_params = _plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     o, m, l = pl.pallas_call(
         kernel,
         grid=tuple(sizes[axis] for axis in grid_order),
         in_specs=[
-            whole(layer_arr),
-            whole(length),
-            whole(pages_pad),
+            whole_block(layer_arr),
+            whole_block(length),
+            whole_block(pages_pad),
             pl.BlockSpec((None, None, gp, Dh), by_axes(lambda w, h, s: (w, h, 0, 0))),
-            whole(k_rows),
-            whole(v_rows),
+            whole_block(k_rows),
+            whole_block(v_rows),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, Dh), by_axes(lambda w, h, s: (w, h, s, 0, 0))),
@@ -265,7 +250,7 @@ def paged_decode_attention(
             jax.ShapeDtypeStruct((W, K, n_splits, gp), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=compiler_params,
+        compiler_params=params,
         name="paged_decode_attention",
     )(layer_arr, length, pages_pad, q_pad, k_rows, v_rows)
 

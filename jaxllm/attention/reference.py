@@ -134,6 +134,13 @@ def paged_decode_reference(
     denom = p_cached.sum(axis=-1) + p_fresh
     out = jnp.einsum("wkgs,wskd->wkgd", p_cached.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out + p_fresh[..., None] * v_new[:W, :, None, :].astype(jnp.float32)
-    out = (out / denom[..., None]).reshape(W, H, Dh)
-    out = jnp.where(windows.length[:, None, None] > 0, out, 0).astype(q.dtype)
-    return out if W == T else jnp.concatenate([out, jnp.zeros((T - W, H, Dh), q.dtype)])
+    out = (out / denom[..., None]).reshape(W, H, Dh).astype(q.dtype)
+    return place_decode_rows(out, windows, T)
+
+
+def place_decode_rows(out: jax.Array, windows: Windows, n_tokens: int) -> jax.Array:
+    """Decode windows' outputs [W, H, Dh] (window i is row i) as the flat batch's [T, H, Dh]:
+    empty windows and the rows past the decode part are zeros."""
+    W = out.shape[0]
+    out = jnp.where(windows.length[:, None, None] > 0, out, 0)
+    return out if W == n_tokens else jnp.concatenate([out, jnp.zeros((n_tokens - W, *out.shape[1:]), out.dtype)])

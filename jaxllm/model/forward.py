@@ -14,10 +14,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxllm.attention.fused import chunk_attention, fused_attention_available
-from jaxllm.attention.paged_decode import decode_kernel_available, paged_decode_attention
-from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference
+from jaxllm.attention.paged_decode import paged_decode_attention
+from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference, place_decode_rows
 from jaxllm.config import ModelConfig
 from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
+from jaxllm.pallas_triton import kernels_available
 from jaxllm.params import LayerParams, MoeParams, Params
 from jaxllm.state import KVCache
 
@@ -105,14 +106,12 @@ def _matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
         return "xla"
     if cfg.decode_matmul == "interpret":
         return "interpret"
-    from jaxllm.model.matvec import matvec_available
-
-    return "pallas" if matvec_available(cfg.dtype) else "xla"
+    return "pallas" if kernels_available(cfg.dtype) else "xla"
 
 
 def _use_decode_kernel(cfg: ModelConfig) -> bool:
     if cfg.decode_attention == "auto":
-        return decode_kernel_available(cfg.dtype)
+        return kernels_available(cfg.dtype)
     return cfg.decode_attention == "interpret"
 
 
@@ -133,16 +132,13 @@ def _decode_kernel_attention(
     the whole [L, ...] cache and the layer index: a per-layer slice would be copied first.
     """
     W = batch.decode.slot.shape[0]
-    live = batch.decode.length > 0
     pages = page_table[batch.decode.slot, :n_ctx_pages]
-    cached = jnp.where(live, batch.positions[batch.decode.start], 0)
-    rows = batch.decode.start
+    cached = jnp.where(batch.decode.length > 0, batch.positions[:W], 0)
     out = paged_decode_attention(
-        q[rows], k[rows], v[rows], kv.k, kv.v, pages, cached, layer=layer_index,
+        q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index,
         interpret=cfg.decode_attention == "interpret",
     )
-    out = jnp.where(live[:, None, None], out, 0).astype(q.dtype)
-    return jnp.zeros_like(q).at[rows].set(out) if W < q.shape[0] else out
+    return place_decode_rows(out.astype(q.dtype), batch.decode, q.shape[0])
 
 
 def write_kv(kv: KVCache, k_new: jax.Array, v_new: jax.Array, batch: TokenBatch, page_table: jax.Array) -> KVCache:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
+from jaxllm.model.matvec import matvec
 from jaxllm.params import DenseMlpParams, MoeParams
 
 
@@ -56,8 +57,6 @@ def project(x: jax.Array, w: jax.Array, n_contract: int = 1, *, kernel: str = "x
     """
     if kernel == "xla":
         return jnp.tensordot(x, w, axes=n_contract)
-    from jaxllm.model.matvec import matvec
-
     lead, inner = x.shape[: x.ndim - n_contract], math.prod(w.shape[:n_contract])
     out = matvec(x.reshape(-1, inner), w.reshape(inner, -1), interpret=kernel == "interpret")
     return out.reshape(*lead, *w.shape[n_contract:])

@@ -42,23 +42,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # Triton compiler parameters and masked loads; absent only without the GPU Pallas backend.
-    from jax.experimental.pallas import triton as _plgpu
-except ImportError:  # pragma: no cover
-    _plgpu = None
+from jaxllm.pallas_triton import MIN_DOT, compiler_params, plgpu, whole_block
 
-_MIN_DOT = 16  # Triton's dot wants every dimension >= 16
 _NUM_SMS = 132  # H200
 _TARGET_PROGRAMS = 4 * _NUM_SMS  # measured: ~4+ small programs per SM beat fewer, larger ones
 
-
-def matvec_available(dtype: str | jnp.dtype) -> bool:
-    """The Pallas matvec compiles (Triton) on GPUs for float32 and half precision."""
-    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (
-        jnp.dtype(jnp.float32),
-        jnp.dtype(jnp.bfloat16),
-        jnp.dtype(jnp.float16),
-    )
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -97,8 +85,8 @@ def default_config(M: int, K: int, N: int, itemsize: int) -> dict[str, int | boo
     """
     del M, itemsize  # the measured best did not depend on them (M <= 8, bf16)
     block_n = 128 if -(-N // 128) >= _TARGET_PROGRAMS else 64
-    block_n = _pick_block(N, block_n, _MIN_DOT)
-    block_k = _pick_block(K, 32, _MIN_DOT)
+    block_n = _pick_block(N, block_n, MIN_DOT)
+    block_k = _pick_block(K, 32, MIN_DOT)
     split_k = _pick_split(-(-K // block_k), -(-N // block_n))
     return dict(block_n=block_n, block_k=block_k, split_k=split_k, use_dot=True)
 
@@ -137,7 +125,7 @@ def _matvec_kernel(
         rows = pl.ds(k0, block_k)
         if not (ragged_k or ragged_n):
             return w_ref[rows, cols]
-        return _plgpu.load(w_ref.at[rows, cols], mask=row_live(k0)[:, None] & col_live[None, :], other=0)
+        return plgpu.load(w_ref.at[rows, cols], mask=row_live(k0)[:, None] & col_live[None, :], other=0)
 
     def load_x(m, k0):
         """Row m of x (all rows for m=None) at columns k0.., zero past K."""
@@ -147,7 +135,7 @@ def _matvec_kernel(
         if not ragged_k:
             return x_ref[at]
         live = row_live(k0)
-        return _plgpu.load(x_ref.at[at], mask=live if m is not None else live[None, :], other=0)
+        return plgpu.load(x_ref.at[at], mask=live if m is not None else live[None, :], other=0)
 
     def k_start(i):
         return pl.multiple_of((first + i) * block_k, block_k)
@@ -194,7 +182,7 @@ def matvec(
 ) -> jax.Array:
     """x @ w for a few rows of x, accumulated in float32: the decode step's projections.
 
-    Use it where `matvec_available(w.dtype)` and M == 1: on the H200 it beat XLA's dot at
+    Use it where `kernels_available(w.dtype)` (jaxllm.pallas_triton) and M == 1: on the H200 it beat XLA's dot at
     M = 1 but not at M = 8 or 64 (see benchmarks/matvec_check.py).
 
     Args:
@@ -222,8 +210,8 @@ def matvec(
     block_k = block_k or defaults["block_k"]
     use_dot = defaults["use_dot"] if use_dot is None else use_dot
     for name, b in (("block_n", block_n), ("block_k", block_k)):
-        if b < _MIN_DOT or b & (b - 1):
-            raise ValueError(f"{name} must be a power of two >= {_MIN_DOT}, got {b}")
+        if b < MIN_DOT or b & (b - 1):
+            raise ValueError(f"{name} must be a power of two >= {MIN_DOT}, got {b}")
     n_k_blocks = -(-K // block_k)
     n_n_blocks = -(-N // block_n)
     if split_k is None:
@@ -233,7 +221,7 @@ def matvec(
     split_k = -(-n_k_blocks // k_blocks_per_split)  # no split left without work
 
     # Triton tensors are powers of two: pad x's rows (zeros) and slice the output's off.
-    mp = max(_MIN_DOT, pl.next_power_of_2(M)) if use_dot else pl.next_power_of_2(M)
+    mp = max(MIN_DOT, pl.next_power_of_2(M)) if use_dot else pl.next_power_of_2(M)
     x_in = x.astype(w.dtype)
     if use_dot and mp != M:
         x_in = jnp.pad(x_in, ((0, mp - M), (0, 0)))
@@ -253,19 +241,16 @@ def matvec(
         use_dot=use_dot,
         precision=precision,
     )
-    compiler_params = None
-    if _plgpu is not None and not interpret:
-        compiler_params = _plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda n, s: (0,) * a.ndim)  # noqa: E731
+    params = compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     out = pl.pallas_call(
         kernel,
         grid=(n_n_blocks, split_k),
-        in_specs=[whole(x_in), whole(w)],
+        in_specs=[whole_block(x_in), whole_block(w)],
         out_specs=pl.BlockSpec((None, mp, block_n), lambda n, s: (s, 0, n)),
         # N padded to whole blocks: every store is a full block, no store masks needed.
         out_shape=jax.ShapeDtypeStruct((split_k, mp, n_n_blocks * block_n), out_dtype),
         interpret=interpret,
-        compiler_params=compiler_params,
+        compiler_params=params,
         name="matvec",
     )(x_in, w)
 

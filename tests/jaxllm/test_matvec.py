@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.model.matvec import default_config, matvec, matvec_available
+from jaxllm.model.matvec import default_config, matvec
+from jaxllm.pallas_triton import kernels_available
 
 
 def _inputs(seed: int, M: int, K: int, N: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,4 +94,4 @@ def test_rejects_bad_blocks():
 
 
 def test_available_only_on_gpu():
-    assert matvec_available("bfloat16") is False  # CI runs on CPU
+    assert kernels_available("bfloat16") is False  # CI runs on CPU

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.attention.paged_decode import decode_kernel_available, paged_decode_attention
+from jaxllm.attention.paged_decode import paged_decode_attention
 from jaxllm.attention.reference import Windows, paged_attention
+from jaxllm.pallas_triton import kernels_available
 
 PAGE, N_CTX, P, DH = 4, 6, 16, 16
 # Lengths cover: empty cache, one position, a page boundary, mid-page, the full bucket.
@@ -97,4 +98,4 @@ def test_bfloat16_close_to_reference():
 
 
 def test_available_only_on_gpu():
-    assert decode_kernel_available("float32") is False  # CI runs on CPU
+    assert kernels_available("float32") is False  # CI runs on CPU
