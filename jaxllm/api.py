@@ -139,7 +139,7 @@ def load(
     scan_layers: bool = True,
     config_path: str | None = None,
     decode_attention: str = "auto",
-    decode_matmul: str = "xla",
+    decode_matmul: str = "auto",
 ) -> Model:
     """Loads a model by name ("smollm2"), path (.gguf, HF directory, orbax directory) or preset.
 

@@ -14,9 +14,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--unroll-layers", action="store_true", help="unrolled layers (faster on GPU, slower compile)")
     p.add_argument("--decode-attention", default="auto", choices=["auto", "reference"],
-                   help="decode attention: auto = Pallas paged kernel on GPU, reference = plain jnp everywhere")
-    p.add_argument("--decode-matmul", default="xla", choices=["xla", "pallas"],
-                   help="decode projections: xla = XLA's GEMV, pallas = the matvec kernel on GPU")
+                   help="decode attention: auto = paged kernel (Pallas on GPU, C++ on CPU), reference = plain jnp everywhere")
+    p.add_argument("--decode-matmul", default="auto", choices=["auto", "xla", "pallas"],
+                   help="decode projections: auto = C++ kernels on CPU (float32), XLA's dot on GPU; "
+                        "xla = XLA's dot everywhere; pallas = the Pallas matvec kernel on GPU")
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:

@@ -55,22 +55,25 @@ class ModelConfig:
     dtype: str = "float32"
     # lax.scan over layers compiles fast; unrolled layers run faster on the GPU.
     scan_layers: bool = True
-    # Decode-token attention: "auto" runs the Pallas paged kernel where it compiles (GPU) and
-    # the jnp reference elsewhere; "reference" forces the reference; "interpret" runs the
-    # kernel in the Pallas interpreter (CPU tests of the wiring; slow).
+    # Decode-token attention: "auto" runs the Pallas paged kernel where it compiles (GPU), the
+    # C++ one on the CPU for float32 (jaxllm.attention.paged_decode_cpu, where a compiler
+    # builds it) and the jnp reference elsewhere; "reference" forces the reference;
+    # "interpret" runs the Pallas kernel in its interpreter (CPU tests of the wiring; slow).
     decode_attention: str = "auto"
-    # Projections of one-token rounds: "xla" lets XLA pick its GEMV; "pallas" runs the
-    # hand-written matvec kernel (jaxllm.model.matvec) where it compiles (GPU); "interpret"
-    # runs that kernel in the Pallas interpreter (CPU tests of the wiring). "xla" is the
-    # default because in the 8B step on an H200 the kernel measured slower (5.71 vs 5.33 ms
-    # per token) although alone its chain of products beat XLA's (4.28 vs 4.60 ms).
-    decode_matmul: str = "xla"
+    # Projections (and the lm_head) of decode rounds: "auto" runs the C++ kernels on the CPU
+    # for float32 rounds of up to 8 rows (jaxllm.model.matvec_cpu; XLA's CPU dot streamed
+    # the weights ~20% slower) and XLA's dot elsewhere; "xla" always XLA's; "pallas" runs the
+    # hand-written Pallas matvec (jaxllm.model.matvec) for one-row rounds where it compiles
+    # (GPU); "interpret" runs that kernel in the Pallas interpreter (CPU tests of the wiring).
+    # On the GPU "auto" is XLA's because in the 8B step on an H200 the Pallas kernel measured
+    # slower (5.71 vs 5.33 ms per token) although alone its chain beat XLA's (4.28 vs 4.60 ms).
+    decode_matmul: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_attention not in ("auto", "reference", "interpret"):
             raise ValueError(f"decode_attention must be auto, reference or interpret, got {self.decode_attention!r}")
-        if self.decode_matmul not in ("xla", "pallas", "interpret"):
-            raise ValueError(f"decode_matmul must be xla, pallas or interpret, got {self.decode_matmul!r}")
+        if self.decode_matmul not in ("auto", "xla", "pallas", "interpret"):
+            raise ValueError(f"decode_matmul must be auto, xla, pallas or interpret, got {self.decode_matmul!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:

@@ -20,7 +20,7 @@ from flax import struct
 
 from jaxllm.attention.reference import Windows
 from jaxllm.config import ModelConfig
-from jaxllm.model.forward import TokenBatch, forward, lm_head
+from jaxllm.model.forward import TokenBatch, forward, lm_head, matmul_kernel
 from jaxllm.params import Params
 from jaxllm.sampling import sample
 from jaxllm.state import DecodeState, KVCache, SeqCheckpoint, SlotSampling, StateLayout, init_state
@@ -120,7 +120,7 @@ def _round(
         lengths = lengths.at[chunk_end].set(last_position + 1, mode="drop")
     seen = state.seen.at[batch.slots, batch.tokens].set(True, mode="drop")
 
-    logits = lm_head(params, hidden[sample_row])
+    logits = lm_head(params, hidden[sample_row], kernel=matmul_kernel(cfg, B))
     draw = sample(
         logits, state.sampling, seen, state.out_counts, state.n_generated, lengths, inputs.want_top,
         token_mask=inputs.token_mask, constrained=inputs.constrained,

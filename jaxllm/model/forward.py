@@ -14,9 +14,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxllm.attention.fused import chunk_attention, fused_attention_available
+from jaxllm.attention import paged_decode_cpu
 from jaxllm.attention.paged_decode import paged_decode_attention
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference, place_decode_rows
 from jaxllm.config import ModelConfig
+from jaxllm.model import matvec_cpu
 from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.pallas_triton import kernels_available
 from jaxllm.params import LayerParams, MoeParams, Params
@@ -50,7 +52,7 @@ def _layer(
     a = lp.attn
     inv_freq = rope_inv_freq(cfg)
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
-    mm = _matmul_kernel(cfg, x.shape[0])
+    mm = matmul_kernel(cfg, x.shape[0])
     if a.wqkv is not None:  # the runtime layout: one matmul for all three
         H = cfg.n_heads
         q, k, v = jnp.split(project(h, a.wqkv, kernel=mm), [H, H + cfg.n_kv_heads], axis=1)
@@ -100,8 +102,10 @@ def _layer(
 MATVEC_MAX_ROWS = 1
 
 
-def _matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
+def matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
     """Which `project` kernel this round's projections use (see ModelConfig.decode_matmul)."""
+    if cfg.decode_matmul == "auto":
+        return "cpu" if n_tokens <= matvec_cpu.MAX_ROWS and matvec_cpu.available(cfg.dtype) else "xla"
     if n_tokens > MATVEC_MAX_ROWS or cfg.decode_matmul == "xla":
         return "xla"
     if cfg.decode_matmul == "interpret":
@@ -111,7 +115,7 @@ def _matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
 
 def _use_decode_kernel(cfg: ModelConfig) -> bool:
     if cfg.decode_attention == "auto":
-        return kernels_available(cfg.dtype)
+        return kernels_available(cfg.dtype) or paged_decode_cpu.available(cfg.dtype)
     return cfg.decode_attention == "interpret"
 
 
@@ -126,18 +130,24 @@ def _decode_kernel_attention(
     n_ctx_pages: int,
     cfg: ModelConfig,
 ) -> jax.Array:
-    """Decode windows' attention by the paged kernel; [T, H, Dh] with zeros past them.
+    """Decode windows' attention by a paged kernel; [T, H, Dh] with zeros past them.
 
     Decode windows are the batch's first rows, one token each (see `steps`). The kernel gets
     the whole [L, ...] cache and the layer index: a per-layer slice would be copied first.
+    On the GPU (or in the Pallas interpreter) it is the Pallas kernel, on the CPU the C++ one.
     """
     W = batch.decode.slot.shape[0]
     pages = page_table[batch.decode.slot, :n_ctx_pages]
     cached = jnp.where(batch.decode.length > 0, batch.positions[:W], 0)
-    out = paged_decode_attention(
-        q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index,
-        interpret=cfg.decode_attention == "interpret",
-    )
+    if cfg.decode_attention == "auto" and not kernels_available(cfg.dtype):
+        out = paged_decode_cpu.paged_decode_attention_cpu(
+            q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index
+        )
+    else:
+        out = paged_decode_attention(
+            q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index,
+            interpret=cfg.decode_attention == "interpret",
+        )
     return place_decode_rows(out.astype(q.dtype), batch.decode, q.shape[0])
 
 
@@ -213,8 +223,12 @@ def forward(
     return rms_norm(x, params.final_norm, cfg.rms_eps), kv, experts
 
 
-def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
-    """[N, D] -> float32 logits [N, V]."""
+def lm_head(params: Params, hidden: jax.Array, *, kernel: str = "xla") -> jax.Array:
+    """[N, D] -> float32 logits [N, V]; kernel "cpu" runs the C++ product (see `matmul_kernel`)."""
+    if kernel == "cpu":
+        if params.lm_head is None:
+            return matvec_cpu.matmul_cpu(hidden, params.embed, transposed=True)
+        return matvec_cpu.matmul_cpu(hidden, params.lm_head)
     if params.lm_head is None:
         logits = jnp.einsum("nd,vd->nv", hidden, params.embed)
     else:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
 from jaxllm.model.matvec import matvec
+from jaxllm.model.matvec_cpu import matmul_cpu
 from jaxllm.params import DenseMlpParams, MoeParams
 
 
@@ -52,13 +53,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 def project(x: jax.Array, w: jax.Array, n_contract: int = 1, *, kernel: str = "xla") -> jax.Array:
     """x's last `n_contract` axes times w's first ones, e.g. [T, D] x [D, H, Dh] -> [T, H, Dh].
 
-    kernel "xla" is XLA's dot; "pallas" / "interpret" run the matvec kernel on the free 2-D
-    views of x and w (for rounds of a few tokens; see `jaxllm.model.matvec`).
+    kernel "xla" is XLA's dot; "pallas" / "interpret" run the Pallas matvec kernel, "cpu" the
+    C++ one, on the free 2-D views of x and w (rounds of a few tokens; see
+    `jaxllm.model.matvec` and `jaxllm.model.matvec_cpu`).
     """
     if kernel == "xla":
         return jnp.tensordot(x, w, axes=n_contract)
     lead, inner = x.shape[: x.ndim - n_contract], math.prod(w.shape[:n_contract])
-    out = matvec(x.reshape(-1, inner), w.reshape(inner, -1), interpret=kernel == "interpret")
+    if kernel == "cpu":
+        out = matmul_cpu(x.reshape(-1, inner), w.reshape(inner, -1))
+    else:
+        out = matvec(x.reshape(-1, inner), w.reshape(inner, -1), interpret=kernel == "interpret")
     return out.reshape(*lead, *w.shape[n_contract:])
 
 

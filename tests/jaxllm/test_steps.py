@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.attention import paged_decode_cpu
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig, EngineFull
 from jaxllm.loading.dummy import dummy_params
+from jaxllm.model import matvec_cpu
 from jaxllm.sampling import SamplingParams, process_logits
 from jaxllm.state import empty_sampling
 
@@ -212,9 +214,9 @@ def test_packed_prompts_give_the_same_tokens(params):
 
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
-    """The Pallas paged decode kernel and the matvec kernel (interpreted on CPU) wired into
-    the forward, in mixed rounds and multi-step decode calls, sample what the reference
-    attention and XLA's dots sample."""
+    """The Pallas paged decode kernel and the matvec kernel (interpreted on CPU), and the C++
+    CPU kernels, wired into the forward, in mixed rounds and multi-step decode calls, sample
+    what the reference attention and XLA's dots sample."""
     from jaxllm.params import layout_params
 
     laid_out = layout_params(params, scan_layers)
@@ -230,10 +232,13 @@ def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
         run_until_done(engine, [first, second])
         return [first.generated, second.generated]
 
-    reference = run(decode_attention="reference")
-    assert run(decode_attention="interpret") == reference
+    reference = run(decode_attention="reference", decode_matmul="xla")
+    assert run(decode_attention="interpret", decode_matmul="xla") == reference
     # The matvec kernel in every projection of the rounds with few tokens (decode rounds).
     assert run(decode_attention="reference", decode_matmul="interpret") == reference
+    # The defaults: on the CPU in float32, the C++ attention and matmul kernels.
+    if paged_decode_cpu.available(CFG.dtype) and matvec_cpu.available(CFG.dtype):
+        assert run() == reference
 
 
 def test_steps_donate_the_state_without_copies(params):
