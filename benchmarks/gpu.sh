@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark plan in one script (an H200 with JAX 0.11 + CUDA plugin, no network).
 # Usage (repo root, with the wheels of the packages the machine lacks in .whl/):
-#   bash benchmarks/gpu.sh [engine|serve|all] [OUT_DIR]
+#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|unroll] [OUT_DIR]
 # Installs the project without touching the machine's jax (--no-deps --no-index), then runs
 # the engine cases (benchmarks/gpu_engine.py) and/or the server cases (jaxllm bench-serve
 # against `jaxllm serve --load-format dummy`), printing one table each.
@@ -21,4 +21,39 @@ fi
 
 if [[ $what == serve || $what == all ]]; then
   bash benchmarks/gpu_serve.sh "$out"
+fi
+
+# Unrolled decode loops (EngineConfig.decode_unroll) against batch-1 decode, both shapes:
+# does the per-iteration cost of the multi-step call's loop go away without the loop?
+if [[ $what == unroll ]]; then
+  for u in ${UNROLL_135M:-1 4 16}; do
+    python3 benchmarks/gpu_engine.py --config configs/smollm2-135m.json --dtype float32 --cases a_steps --steps 16 \
+      --unroll-steps $u 2>&1 | grep -E "^A |Error|error:" | sed 's/^/135M f32 /'
+  done
+  for u in ${UNROLL_8B:-1 2 8}; do
+    /usr/bin/time -f "8B unroll $u: process %e s" python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json \
+      --cases a_steps --steps 8 --unroll-steps $u 2>&1 | grep -E "^A |Error|error:|process" | sed 's/^/8B bf16 /'
+  done
+fi
+
+# Kernel-level profiles of batch-1 decode calls (benchmarks/profile_step.py), both shapes.
+if [[ $what == profile ]]; then
+  python3 benchmarks/profile_step.py --config configs/smollm2-135m.json --dtype float32 --steps 16 --out "$out/profile-135m" 2>&1 | grep -v "^W0\|^I0"
+  python3 benchmarks/profile_step.py --config configs/llama3-8b.json --dtype bfloat16 --steps 8 --calls 2 --out "$out/profile-8b" 2>&1 | grep -v "^W0\|^I0"
+  rm -rf "$out"/profile-*/raw
+fi
+
+# XLA flag sets against batch-1 decode (135M float32 at 16 steps per call, 8B bf16 at 8):
+# is the small model's step bound by kernel launches, and do CUDA graphs (command buffers)
+# of the decode loop's body remove that? FLAG_SETS: '|'-separated XLA_FLAGS values.
+if [[ $what == flags ]]; then
+  default_sets="|--xla_gpu_enable_command_buffer=|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
+  IFS='|' read -ra sets <<< "${FLAG_SETS:-$default_sets}"
+  for flags in "${sets[@]}"; do
+    echo "== XLA_FLAGS='$flags'"
+    XLA_FLAGS="$flags" python3 benchmarks/gpu_engine.py --config configs/smollm2-135m.json --dtype float32 \
+      --cases a_steps --steps 16 2>&1 | grep -E "^A |Error|error:" | sed 's/^/135M f32 /'
+    XLA_FLAGS="$flags" python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json \
+      --cases a_steps --steps 8 2>&1 | grep -E "^A |Error|error:" | sed 's/^/8B bf16 /'
+  done
 fi

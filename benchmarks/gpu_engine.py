@@ -73,11 +73,11 @@ def kernel_parity() -> dict[str, float]:
     return {"cudnn_vs_reference_rel_err": float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))}
 
 
-def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
+def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int, unroll: int = 1) -> Engine:
     pages = slots * (-(-max_seq_len // 16) + 1) + 4
     config = EngineConfig(
         max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16), max_seq_len=max_seq_len,
-        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps,
+        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps, decode_unroll=min(unroll, steps),
     )
     return Engine(cfg, params, eos_ids=[], config=config)
 
@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/llama3-8b.json")
     ap.add_argument("--cases", default="ceil,parity,a,aref,a_unfused,amv,b,c")
     ap.add_argument("--scan", action="store_true", help="lax.scan over layers instead of unrolled")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--unroll-steps", type=int, default=1, help="EngineConfig.decode_unroll of the batch-1 cases")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
     args = ap.parse_args()
@@ -127,7 +129,7 @@ def main() -> None:
         results.update(kernel_parity())
         print("kernel parity", results["cudnn_vs_reference_rel_err"], flush=True)
 
-    cfg = load_config_json(args.config, dtype="bfloat16", scan_layers=args.scan)
+    cfg = load_config_json(args.config, dtype=args.dtype, scan_layers=args.scan)
     t = time.perf_counter()
     params = layout_params(dummy_params(cfg), cfg.scan_layers)
     jax.block_until_ready(params)
@@ -144,7 +146,7 @@ def main() -> None:
     for steps, attention, matmul, fused in runs:
         run_params = params if fused else unfuse_projections(params)
         eng = engine_for(cfg.replace(decode_attention=attention, decode_matmul=matmul), run_params, slots=1,
-                         max_seq_len=2048, chunk=1024, steps=steps)
+                         max_seq_len=2048, chunk=1024, steps=steps, unroll=args.unroll_steps)
         t = time.perf_counter()
         prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
         first = time.perf_counter() - t
@@ -153,6 +155,7 @@ def main() -> None:
         bytes_step = costs.decode_step_bytes(CTX + 80)
         tag = f"steps{steps}" + ("" if attention == "auto" else f"_{attention}") + ("" if matmul == "xla" else f"_{matmul}")
         tag += "" if fused else "_unfused"
+        tag += f"_unroll{eng.config.decode_unroll}" if eng.config.decode_unroll > 1 else ""
         results[f"a_decode_ms_b1_ctx1k_{tag}"] = step_s * 1e3
         results[f"a_mbu_{tag}"] = bytes_step / step_s / 4.3e12
         results[f"a_first_prefill_incl_compile_s_{tag}"] = first

@@ -47,6 +47,10 @@ class EngineConfig:
     chunk_buckets: tuple[int, ...] = (32, 128, 256, 512)
     min_ctx_pages: int = 8
     decode_steps_per_call: int = 4
+    # Decode steps laid out straight per loop iteration of a multi-step call (1 = a loop of
+    # single steps; decode_steps_per_call = no loop). On a GPU each loop iteration costs a
+    # host round trip; unrolling trades that for compile time.
+    decode_unroll: int = 1
     # Widths of a round's decode part (slots [0, width) ); rounds use the smallest that
     # covers every decoding slot, so a lone request does not pay for idle slots. Each width
     # multiplies the compiled variants; () means just max_slots.
@@ -55,11 +59,12 @@ class EngineConfig:
     # window of the chunk bucket's length in attention, so this multiplies its cost on the
     # reference path; worth it where fused attention runs (GPU), 1 elsewhere.
     chunk_segments: int = 1
-    # Threads compiling shape variants during warm-up (XLA compiles release the GIL); 0 = auto.
+    # Threads compiling shape variants during warm-up (XLA compiles release the GIL); 0 = one
+    # per CPU core.
     compile_threads: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "page_size", "decode_steps_per_call", "chunk_segments"):
+        for name in ("max_slots", "page_size", "decode_steps_per_call", "decode_unroll", "chunk_segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)) or self.chunk_buckets[0] < 1:
@@ -314,7 +319,8 @@ class Engine:
             if n > 1:
                 out.append((("decode", n, ctx, width), lambda ctx=ctx, width=width:
                             steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, n_steps=n,
-                                                     n_ctx_pages=ctx, decode_width=width)))
+                                                     n_ctx_pages=ctx, decode_width=width,
+                                                     unroll=self.config.decode_unroll)))
         return out
 
     def warmup(self) -> int:
@@ -329,7 +335,7 @@ class Engine:
         if self.seqs:
             raise RuntimeError("warmup must run on an empty engine")
         variants = self._round_variants()
-        threads = self.config.compile_threads or min(8, os.cpu_count() or 1)
+        threads = self.config.compile_threads or os.cpu_count() or 1
         with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
             # Lowering traces Python (GIL-bound) so it runs here, feeding compiles to the pool.
             futures = {key: pool.submit(lower().compile) for key, lower in variants}
@@ -402,7 +408,8 @@ class Engine:
                 self.state, out = compiled(self.params, self.state, inputs)
             else:
                 self.state, out = steps.decode_steps(
-                    self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx, decode_width=width
+                    self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx, decode_width=width,
+                    unroll=self.config.decode_unroll,
                 )
             return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 

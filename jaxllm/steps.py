@@ -174,7 +174,7 @@ def step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width"), donate_argnames=("state",)
+    jax.jit, static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width", "unroll"), donate_argnames=("state",)
 )
 def decode_steps(
     params: Params,
@@ -185,11 +185,13 @@ def decode_steps(
     n_steps: int,
     n_ctx_pages: int,
     decode_width: int,
+    unroll: int = 1,
 ) -> tuple[DecodeState, StepOutput]:
     """`n_steps` decode-only rounds in one call; outputs stacked on a leading [n_steps] axis.
 
     A constrained slot takes only the first step: its next mask needs the host to see the
-    token it just drew.
+    token it just drew. `unroll` steps are laid out straight in each loop iteration
+    (`lax.scan`'s unroll; n_steps = no loop at all): fewer loop iterations, longer compiles.
     """
     chunk = empty_chunk(state.lengths.shape[0])
     later = inputs.replace(decode_mask=inputs.decode_mask & ~inputs.constrained)
@@ -200,7 +202,7 @@ def decode_steps(
             params, state, step_inputs, chunk, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages, decode_width=decode_width
         )
 
-    return jax.lax.scan(body, state, jnp.arange(n_steps) == 0)
+    return jax.lax.scan(body, state, jnp.arange(n_steps) == 0, unroll=unroll)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

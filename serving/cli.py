@@ -21,6 +21,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"))
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before /health")
+    p.add_argument("--compile-cache", default=None,
+                   help="XLA's persistent compilation cache, so a restart loads the warm-up's executables "
+                        "instead of compiling them (default: $JAX_COMPILATION_CACHE_DIR, else "
+                        "<jaxllm cache>/xla; 'off' disables)")
     p.add_argument("--profile-dir", default=None,
                    help="enable POST /start_profile and /stop_profile, writing JAX profiler traces here")
     p.set_defaults(func=run_serve)
@@ -50,8 +54,23 @@ def serve(loader, *, model_name: str, host: str, port: int, config: str | None, 
     return status["code"]
 
 
+def use_compile_cache(setting: str | None) -> str | None:
+    """Points JAX's persistent compilation cache at `setting` (see --compile-cache); returns it."""
+    import jax
+
+    from jaxllm.loading.default_model import default_cache_dir
+
+    path = setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(default_cache_dir() / "xla")
+    if path == "off":
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from jaxllm.api import load
+
+    use_compile_cache(args.compile_cache)
 
     def loader():
         return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,

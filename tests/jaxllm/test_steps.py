@@ -30,11 +30,12 @@ def params():
 
 
 def make_engine(
-    params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32), decode_widths=(1, 2), chunk_segments=1, cfg=CFG
+    params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32), decode_widths=(1, 2), chunk_segments=1, cfg=CFG,
+    unroll=1,
 ) -> Engine:
     config = EngineConfig(max_slots=slots, kv_bytes=1 << 20, max_seq_len=128, chunk_buckets=chunk_buckets,
                           min_ctx_pages=2, decode_steps_per_call=steps_per_call, decode_widths=decode_widths,
-                          chunk_segments=chunk_segments)
+                          chunk_segments=chunk_segments, decode_unroll=unroll)
     return Engine(cfg, params, eos_ids=[0], config=config)
 
 
@@ -47,12 +48,14 @@ PROMPT = [5, 9, 33, 2, 71, 14, 14, 60, 3]
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=30, seed=1234, max_tokens=20, ignore_eos=True)
 
 
-def test_seeded_sample_same_in_any_slot_beside_any_neighbours(params):
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_seeded_sample_same_in_any_slot_beside_any_neighbours(params, unroll):
     alone = make_engine(params)
     (ref,) = [alone.add(PROMPT, SAMPLED)]
     run_until_done(alone, [ref])
 
-    crowded = make_engine(params, steps_per_call=4, decode_widths=())  # full width beside neighbours
+    # Full width beside neighbours, 4 steps per call (as a loop of 4 or of 2 x 2 unrolled).
+    crowded = make_engine(params, steps_per_call=4, decode_widths=(), unroll=unroll)
     neighbours = [
         crowded.add([1, 2, 3], SamplingParams(temperature=0.7, seed=1, max_tokens=30, ignore_eos=True)),
         crowded.add(PROMPT[::-1], SamplingParams(temperature=0, max_tokens=5)),

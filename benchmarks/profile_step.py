@@ -1,0 +1,83 @@
+"""Where a decode call's time goes: a JAX profiler trace of back-to-back decode calls of the
+engine (batch 1, 1k context), summarized by kernel.
+
+    python benchmarks/profile_step.py --config configs/smollm2-135m.json --dtype float32 --steps 16 --out DIR
+
+Writes DIR/trace.json.gz (Perfetto) and prints the device kernels that take the most time
+per decode step, how many kernels run per step, and the step's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import shutil
+import time
+
+import jax
+import numpy as np
+
+from gpu_engine import CTX, engine_for, prefill  # noqa: E402  (benchmarks/ is on sys.path when run)
+from jaxllm.config import load_config_json
+from jaxllm.loading.dummy import dummy_params
+from jaxllm.params import layout_params
+
+
+def summarize(trace_path: str, n_steps: int, top: int) -> None:
+    events = json.load(gzip.open(trace_path))["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = [e for e in events if e.get("ph") == "X" and "/device:GPU" in procs.get(e["pid"], "")
+              and "Stream" in names.get((e["pid"], e.get("tid")), "Stream")]
+    if not device:
+        print("no device events found; processes:", sorted(set(procs.values()))[:20])
+        return
+    total = collections.Counter()
+    count = collections.Counter()
+    for e in device:
+        total[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+    busy = sum(total.values())
+    span = max(e["ts"] + e["dur"] for e in device) - min(e["ts"] for e in device)
+    print(f"device events: {len(device) / n_steps:.0f} per step; busy {busy / n_steps:.1f} us/step; "
+          f"span {span / n_steps:.1f} us/step (busy {busy / span:.0%})")
+    for name, us in total.most_common(top):
+        print(f"{us / n_steps:9.1f} us/step {count[name] / n_steps:6.1f}x  {name[:110]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/smollm2-135m.json")
+    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per call")
+    ap.add_argument("--calls", type=int, default=4, help="traced decode calls")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--out", default="/tmp/jaxllm-profile")
+    args = ap.parse_args()
+
+    cfg = load_config_json(args.config, dtype=args.dtype, scan_layers=False)
+    params = layout_params(dummy_params(cfg), cfg.scan_layers)
+    eng = engine_for(cfg, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
+    prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
+    for _ in range(3):  # warm: every decode shape of the traced calls is compiled
+        jax.block_until_ready(eng.launch().output)
+    shutil.rmtree(args.out + "/raw", ignore_errors=True)
+    jax.profiler.start_trace(args.out + "/raw", create_perfetto_trace=True)
+    t = time.perf_counter()
+    handles = [eng.launch() for _ in range(args.calls)]
+    jax.block_until_ready(handles[-1].output)
+    wall = time.perf_counter() - t
+    jax.profiler.stop_trace()
+    n_steps = args.calls * args.steps
+    print(f"{args.config} {args.dtype}: {wall / n_steps * 1e3:.3f} ms/step traced ({args.steps} steps per call)")
+    trace = sorted(glob.glob(args.out + "/raw/**/*.trace.json.gz", recursive=True))[-1]
+    shutil.copy(trace, args.out + "/trace.json.gz")
+    summarize(trace, n_steps, args.top)
+
+
+if __name__ == "__main__":
+    main()
