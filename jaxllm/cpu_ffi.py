@@ -28,6 +28,7 @@ from jaxllm.loading.default_model import default_cache_dir
 
 log = logging.getLogger(__name__)
 
+_HEADERS = Path(__file__).parent  # headers the kernels share (cpu_parallel.h)
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -47,7 +48,7 @@ def _build(compiler: str, source: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
         tmp_lib = Path(tmp) / out.name
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_lib)]
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_HEADERS}", str(source), "-o", str(tmp_lib)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -70,7 +71,8 @@ def load(source: Path, targets: tuple[tuple[str, str], ...]) -> ctypes.CDLL | No
         log.warning("no C++ compiler (CXX / c++): %s is not built, its jnp path is used", source.name)
         return None
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), jaxlib.__version__.encode(), _cpu_features().encode(),
+        b"\0".join([source.read_bytes(), *(h.read_bytes() for h in sorted(_HEADERS.glob("*.h"))),
+                    jaxlib.__version__.encode(), _cpu_features().encode(),
                     " ".join(FLAGS).encode(), compiler.encode()])
     ).hexdigest()[:16]
     lib_path = default_cache_dir() / "kernels" / f"{source.stem}-{key}.so"

@@ -19,7 +19,7 @@ from jaxllm.attention.paged_decode import paged_decode_attention
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference, place_decode_rows
 from jaxllm.config import ModelConfig
 from jaxllm.model import matvec_cpu
-from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
+from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.pallas_triton import kernels_available
 from jaxllm.params import LayerParams, MoeParams, Params
 from jaxllm.state import KVCache
@@ -151,6 +151,18 @@ def _decode_kernel_attention(
     return place_decode_rows(out.astype(q.dtype), batch.decode, q.shape[0])
 
 
+def _projections_by_reference(lp: LayerParams, layers: LayerParams, i: jax.Array) -> LayerParams:
+    """One scanned layer's params with its dense projection matrices as `LayerSlice` views of
+    the stacks (the slices scan made of them are then unused, and XLA drops them)."""
+
+    def swap(sliced, stacked, names: tuple[str, ...]):
+        return sliced.replace(**{n: LayerSlice(getattr(stacked, n), i) for n in names if getattr(stacked, n) is not None})
+
+    attn = swap(lp.attn, layers.attn, ("wqkv", "wq", "wk", "wv", "wo"))
+    mlp = lp.mlp if isinstance(lp.mlp, MoeParams) else swap(lp.mlp, layers.mlp, ("w_gate_up", "w_gate", "w_up", "w_down"))
+    return lp.replace(attn=attn, mlp=mlp)
+
+
 def write_kv(kv: KVCache, k_new: jax.Array, v_new: jax.Array, batch: TokenBatch, page_table: jax.Array) -> KVCache:
     """Writes every layer's new K/V ([L, T, K, Dh]) into the pages in one in-place scatter."""
     page_size = kv.k.shape[2]
@@ -202,9 +214,12 @@ def forward(
     kwargs = dict(page_table=page_table, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
 
     if not isinstance(params.layers, tuple):
+        by_reference = matmul_kernel(cfg, batch.tokens.shape[0]) == "cpu"
 
         def body(x, xs):
             lp, i = xs
+            if by_reference:
+                lp = _projections_by_reference(lp, params.layers, i)
             x, new_kv, experts = _layer(x, kv, i, lp, batch, **kwargs)
             return x, (new_kv, experts)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -50,13 +51,31 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotated.astype(x.dtype)
 
 
-def project(x: jax.Array, w: jax.Array, n_contract: int = 1, *, kernel: str = "xla") -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class LayerSlice:
+    """Layer `index` of a stacked [L, ...] weight, left unsliced for a kernel that indexes the
+    stack itself: inside `lax.scan` a slice handed to a custom call is a copy of the layer's
+    weights, made before every call (on the CPU that copy cost as much as the product)."""
+
+    stack: jax.Array
+    index: jax.Array
+
+
+def project(x: jax.Array, w: jax.Array | LayerSlice, n_contract: int = 1, *, kernel: str = "xla") -> jax.Array:
     """x's last `n_contract` axes times w's first ones, e.g. [T, D] x [D, H, Dh] -> [T, H, Dh].
 
     kernel "xla" is XLA's dot; "pallas" / "interpret" run the Pallas matvec kernel, "cpu" the
     C++ one, on the free 2-D views of x and w (rounds of a few tokens; see
-    `jaxllm.model.matvec` and `jaxllm.model.matvec_cpu`).
+    `jaxllm.model.matvec` and `jaxllm.model.matvec_cpu`). A `LayerSlice` w goes to the C++
+    kernel as its whole stack.
     """
+    if isinstance(w, LayerSlice):
+        if kernel != "cpu":
+            raise ValueError("a LayerSlice weight is for the CPU kernel")
+        shape = w.stack.shape[1:]
+        lead, inner = x.shape[: x.ndim - n_contract], math.prod(shape[:n_contract])
+        out = matmul_cpu(x.reshape(-1, inner), w.stack.reshape(w.stack.shape[0], inner, -1), layer=w.index)
+        return out.reshape(*lead, *shape[n_contract:])
     if kernel == "xla":
         return jnp.tensordot(x, w, axes=n_contract)
     lead, inner = x.shape[: x.ndim - n_contract], math.prod(w.shape[:n_contract])

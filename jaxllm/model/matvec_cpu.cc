@@ -11,12 +11,10 @@
 //   JaxllmMatmulF32:           y[M, N] = x[M, Din] @ w[Din, N]   (projections, [in, out])
 //   JaxllmMatmulTransposedF32: y[M, N] = x[M, Din] @ w[N, Din]^T (a tied lm_head: embed [V, D])
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -93,31 +91,6 @@ void MatmulTransposedRows(const float* x, const float* w, float* y, int64_t M, i
   }
 }
 
-// Runs work(part) for parts [0, n_parts) on the pool and the calling thread.
-//
-// Parts are claimed from a shared counter, so the caller finishes every part itself if the
-// pool never gets to its tasks (a pool of one thread, or a busy one): it never waits on work
-// nobody has started. Late tasks find nothing left and exit; the state they touch is shared.
-template <typename Work>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n_parts, const Work& work) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto run_parts = [shared, n_parts, &work]() {
-    for (int64_t p; (p = shared->next.fetch_add(1)) < n_parts;) {
-      work(p);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  // A task must not touch `work` (the caller's frame) unless it claimed a part, and a part
-  // is only claimable while the caller is still waiting for it: that keeps `work` alive.
-  for (int64_t t = 1; t < n_parts; ++t) pool.Schedule(decltype(run_parts)(run_parts));
-  run_parts();
-  while (shared->done.load(std::memory_order_acquire) < n_parts) std::this_thread::yield();
-}
-
 int64_t PartsFor(ffi::ThreadPool& pool, int64_t work, int64_t min_per_part) {
   return std::clamp<int64_t>(work / min_per_part, 1, std::max<int64_t>(1, pool.num_threads()));
 }
@@ -128,21 +101,28 @@ std::pair<int64_t, int64_t> PartRange(int64_t p, int64_t n_parts, int64_t n) {
   return {std::min(n, p * per), p + 1 == n_parts ? n : std::min(n, (p + 1) * per)};
 }
 
+// w is one matrix, or a stack [L, ...] of which `layer` is used: a layer loop (lax.scan)
+// passes the stack whole, since slicing it would copy the layer's weights before each call.
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> y, bool transposed) {
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool transposed) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("matmul_cpu: want 2-D x and w");
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3)) {
+    return ffi::Error::InvalidArgument("matmul_cpu: want x [M, Din] and w [(L,) Din, N] or [(L,) N, Din]");
+  }
+  const size_t r = wd.size() - 2;  // the matrix's first axis
   const int64_t M = xd[0], Din = xd[1];
-  const int64_t N = transposed ? wd[0] : wd[1];
-  if ((transposed ? wd[1] : wd[0]) != Din) return ffi::Error::InvalidArgument("matmul_cpu: x and w disagree");
+  const int64_t N = transposed ? wd[r] : wd[r + 1];
+  if ((transposed ? wd[r + 1] : wd[r]) != Din) return ffi::Error::InvalidArgument("matmul_cpu: x and w disagree");
   if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument("matmul_cpu: x has too many rows");
+  const int64_t n_layers = r ? wd[0] : 1;
+  const int64_t layer_index = std::clamp<int64_t>(layer.typed_data()[0], 0, n_layers - 1);
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const float* wp = w.typed_data() + layer_index * Din * N;
   float* yp = y->typed_data();
   if (transposed) {  // parts take runs of output rows (contiguous weight rows)
     const int64_t n_parts = PartsFor(pool, N, kMinRowsPerPart);
-    ParallelFor(pool, n_parts, [&](int64_t p) {
+    jaxllm::ParallelFor(pool, n_parts, [&](int64_t p) {
       const auto [n0, n1] = PartRange(p, n_parts, N);
       MatmulTransposedRows(xp, wp, yp, M, Din, N, n0, n1);
     });
@@ -151,7 +131,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   // Parts take runs of weight rows (contiguous memory); their partial sums are added last.
   const int64_t n_parts = PartsFor(pool, Din, kMinDinPerPart);
   std::vector<float> partials(static_cast<size_t>((n_parts - 1) * M * N));
-  ParallelFor(pool, n_parts, [&](int64_t p) {
+  jaxllm::ParallelFor(pool, n_parts, [&](int64_t p) {
     const int64_t d0 = Din * p / n_parts, d1 = Din * (p + 1) / n_parts;
     MatmulRowRange(xp, wp, p == 0 ? yp : partials.data() + (p - 1) * M * N, M, Din, N, d0, d1);
   });
@@ -164,13 +144,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 }
 
 ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> y) {
-  return Matmul(pool, x, w, y, /*transposed=*/false);
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul(pool, x, w, layer, y, /*transposed=*/false);
 }
 
 ffi::Error MatmulTransposedF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                               ffi::ResultBuffer<ffi::F32> y) {
-  return Matmul(pool, x, w, y, /*transposed=*/true);
+                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul(pool, x, w, layer, y, /*transposed=*/true);
 }
 
 }  // namespace
@@ -180,6 +160,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulF32, MatmulF32,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulTransposedF32, MatmulTransposedF32,
@@ -187,4 +168,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulTransposedF32, MatmulTransposedF32,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

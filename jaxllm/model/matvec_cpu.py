@@ -30,12 +30,20 @@ def available(dtype: str | jnp.dtype) -> bool:
     return cpu_ffi.on_cpu() and jnp.dtype(dtype) == jnp.dtype(jnp.float32) and _library() is not None
 
 
-def matmul_cpu(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
-    """x [M, Din] float32 times w [Din, N] (or w [N, Din] with `transposed`) -> [M, N] float32."""
+def matmul_cpu(
+    x: jax.Array, w: jax.Array, *, transposed: bool = False, layer: jax.Array | int | None = None
+) -> jax.Array:
+    """x [M, Din] float32 times w [Din, N] (or w [N, Din] with `transposed`) -> [M, N] float32.
+
+    w may also be a stack [L, Din, N] (or [L, N, Din]) with `layer` picking one: inside a
+    layer loop pass the stack, since a slice of it would be copied before every call.
+    """
     if _library() is None:
         raise RuntimeError("the CPU matmul kernel is unavailable (see the log)")
-    if x.ndim != 2 or w.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"want x [M <= {MAX_ROWS}, Din] and a 2-D w, got {x.shape} and {w.shape}")
-    n = w.shape[0] if transposed else w.shape[1]
+    if x.ndim != 2 or w.ndim not in (2, 3) or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"want x [M <= {MAX_ROWS}, Din] and a 2-D or 3-D w, got {x.shape} and {w.shape}")
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError("a stacked [L, ...] w needs `layer`, and only a stacked one takes it")
+    n = w.shape[-2] if transposed else w.shape[-1]
     call = jax.ffi.ffi_call(_MATMUL_T if transposed else _MATMUL, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x.astype(jnp.float32), w)
+    return call(x.astype(jnp.float32), w, jnp.asarray(0 if layer is None else layer, jnp.int32))

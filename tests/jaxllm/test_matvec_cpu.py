@@ -32,3 +32,18 @@ def test_too_many_rows_are_refused():
     x = jnp.zeros((matvec_cpu.MAX_ROWS + 1, 8), jnp.float32)
     with pytest.raises(ValueError, match="M <="):
         matvec_cpu.matmul_cpu(x, jnp.zeros((8, 4), jnp.float32))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_stacked_weight_uses_the_given_layer_only(transposed):
+    """A traced layer index picks one matrix of an [L, ...] stack; the others are never read."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(2, 40)).astype(np.float32)
+    w = rng.normal(size=(24, 40) if transposed else (40, 24)).astype(np.float32)
+    poison = np.full_like(w, np.nan)
+    stack = jnp.asarray(np.stack([poison, w, poison]))
+    run = jax.jit(lambda layer: matvec_cpu.matmul_cpu(x, stack, transposed=transposed, layer=layer))
+    expected = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+    np.testing.assert_allclose(run(jnp.int32(1)), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="needs `layer`"):
+        matvec_cpu.matmul_cpu(x, stack, transposed=transposed)

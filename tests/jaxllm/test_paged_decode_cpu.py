@@ -49,3 +49,18 @@ def test_rows_past_the_cached_length_are_never_read():
                                                        pages, cached)
     np.testing.assert_allclose(ours, _reference(q, k_new, v_new, k_pages, v_pages, pages, cached),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cached", [300, 64, 17])
+def test_a_long_window_split_across_threads_matches_reference(cached):
+    """One window with hundreds of cached rows is split into parts run side by side (on a
+    machine with several threads) and merged; short ones are not split."""
+    rng = np.random.default_rng(cached)
+    P, page, K, H, Dh, n_ctx = 30, 16, 2, 6, 16, 24
+    q = jnp.asarray(rng.normal(size=(1, H, Dh)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.normal(size=(1, K, Dh)), jnp.float32) for _ in range(2))
+    k_pages, v_pages = (jnp.asarray(rng.normal(size=(P, page, K, Dh)) * 2, jnp.float32) for _ in range(2))
+    pages = jnp.asarray(rng.permutation(np.arange(1, P))[:n_ctx][None], jnp.int32)
+    args = (q, k_new, v_new, k_pages, v_pages, pages, jnp.asarray([cached], jnp.int32))
+    np.testing.assert_allclose(paged_decode_cpu.paged_decode_attention_cpu(*args), _reference(*args),
+                               rtol=1e-5, atol=1e-5)
