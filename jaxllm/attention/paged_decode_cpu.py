@@ -8,6 +8,7 @@ a layer index so no layer's pool is copied. The jnp reference stays the oracle
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import jax
@@ -19,7 +20,7 @@ _SOURCE = Path(__file__).with_name("paged_decode_cpu.cc")
 _TARGET = "jaxllm_paged_decode_f32"
 
 
-def _library():
+def _library() -> ctypes.CDLL | None:
     return cpu_ffi.load(_SOURCE, ((_TARGET, "JaxllmPagedDecodeF32"),))
 
 

@@ -8,6 +8,7 @@ is the oracle (`tests/jaxllm/test_matvec_cpu.py`).
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import jax
@@ -21,7 +22,7 @@ _MATMUL_T = "jaxllm_matmul_transposed_f32"
 MAX_ROWS = 8  # rows the kernels take; past that XLA's dot measured faster (16 rows, 2 cores)
 
 
-def _library():
+def _library() -> ctypes.CDLL | None:
     return cpu_ffi.load(_SOURCE, ((_MATMUL, "JaxllmMatmulF32"), (_MATMUL_T, "JaxllmMatmulTransposedF32")))
 
 
