@@ -48,8 +48,9 @@ class EngineConfig:
     min_ctx_pages: int = 8
     decode_steps_per_call: int = 4
     # Decode steps laid out straight per loop iteration of a multi-step call (1 = a loop of
-    # single steps; decode_steps_per_call = no loop). On a GPU each loop iteration costs a
-    # host round trip; unrolling trades that for compile time.
+    # single steps; decode_steps_per_call = no loop). Unrolling compiles longer and measured
+    # slower on an H200 (8B: 5.15 ms/token as a loop, 5.57 two per iteration, 6.91 with no
+    # loop; docs/benchmarks.md), so 1 stays the default; kept for such A/B runs.
     decode_unroll: int = 1
     # Widths of a round's decode part (slots [0, width) ); rounds use the smallest that
     # covers every decoding slot, so a lone request does not pay for idle slots. Each width

@@ -10,9 +10,9 @@ plus one paced prompt chunk); a failing round fails only its requests. If the th
 Rounds are pipelined: the worker launches round N+1 before it collects round N, so the
 host's work on round N's tokens (detokenizing, stop strings, tool calls, frames) overlaps
 the device running round N+1; except after a round that completes prompts, whose first
-tokens are collected before the next launch (see `run_once`). The engine plans round N+1 without round N's tokens: decode
-tokens stay on the device, and a sequence that stopped in round N is skipped there by its
-on-device flag.
+tokens are collected before the next launch (see `run_once`). The engine plans round N+1
+without round N's tokens: decode tokens stay on the device, and a sequence that stopped in
+round N is skipped there by its on-device flag.
 
 Policy (admission order with a bounded starvation wait, reservations within the budget,
 prefill pacing, cancellation at each phase) is plain Python over the `EngineLike` protocol,

@@ -42,19 +42,22 @@ class Defaults:
     tool_call_format: str = ""
 
 
+_ENGINE = EngineConfig()  # the runtime's defaults are the server's
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineShape:
     """Settings baked into compiled shapes (restart to change)."""
 
-    max_slots: int = 8
-    kv_mib: int = 256
-    max_seq_len: int = 2048
-    page_size: int = 16
-    chunk_buckets: tuple[int, ...] = (32, 128, 256, 512)
-    min_ctx_pages: int = 8
-    decode_steps_per_call: int = 4
-    decode_widths: tuple[int, ...] = ()
-    chunk_segments: int = 1
+    max_slots: int = _ENGINE.max_slots
+    kv_mib: int = _ENGINE.kv_bytes >> 20
+    max_seq_len: int = _ENGINE.max_seq_len
+    page_size: int = _ENGINE.page_size
+    chunk_buckets: tuple[int, ...] = _ENGINE.chunk_buckets
+    min_ctx_pages: int = _ENGINE.min_ctx_pages
+    decode_steps_per_call: int = _ENGINE.decode_steps_per_call
+    decode_widths: tuple[int, ...] = _ENGINE.decode_widths
+    chunk_segments: int = _ENGINE.chunk_segments
 
     def __post_init__(self) -> None:
         self.engine_config()  # a bad shape fails when the settings are read, with the runtime's message

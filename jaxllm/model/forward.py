@@ -72,8 +72,9 @@ def _layer(
     attend = functools.partial(
         paged_attention, q, k, v, batch.positions, k_layer, v_layer, page_table, n_ctx_pages=n_ctx_pages
     )
-    if _use_decode_kernel(cfg) and batch.decode.slot.shape[0]:
-        attn = _decode_kernel_attention(q, k, v, kv, layer_index, page_table, batch, n_ctx_pages, cfg)
+    kernel = decode_attention_kernel(cfg)
+    if kernel is not None and batch.decode.slot.shape[0]:
+        attn = _decode_kernel_attention(q, k, v, kv, layer_index, page_table, batch, n_ctx_pages, kernel)
     else:
         attn = paged_decode_reference(
             q, k, v, batch.positions, k_layer, v_layer, page_table, batch.decode, n_ctx_pages=n_ctx_pages
@@ -113,10 +114,14 @@ def matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
     return "pallas" if kernels_available(cfg.dtype) else "xla"
 
 
-def _use_decode_kernel(cfg: ModelConfig) -> bool:
+def decode_attention_kernel(cfg: ModelConfig) -> str | None:
+    """Which kernel runs decode tokens' attention (see ModelConfig.decode_attention): "pallas",
+    "interpret" (Pallas in its interpreter), "cpu" (C++), or None for the jnp reference."""
     if cfg.decode_attention == "auto":
-        return kernels_available(cfg.dtype) or paged_decode_cpu.available(cfg.dtype)
-    return cfg.decode_attention == "interpret"
+        if kernels_available(cfg.dtype):
+            return "pallas"
+        return "cpu" if paged_decode_cpu.available(cfg.dtype) else None
+    return "interpret" if cfg.decode_attention == "interpret" else None
 
 
 def _decode_kernel_attention(
@@ -128,25 +133,24 @@ def _decode_kernel_attention(
     page_table: jax.Array,
     batch: TokenBatch,
     n_ctx_pages: int,
-    cfg: ModelConfig,
+    kernel: str,
 ) -> jax.Array:
-    """Decode windows' attention by a paged kernel; [T, H, Dh] with zeros past them.
+    """Decode windows' attention by a paged kernel (see `decode_attention_kernel`); [T, H, Dh]
+    with zeros past them.
 
     Decode windows are the batch's first rows, one token each (see `steps`). The kernel gets
     the whole [L, ...] cache and the layer index: a per-layer slice would be copied first.
-    On the GPU (or in the Pallas interpreter) it is the Pallas kernel, on the CPU the C++ one.
     """
     W = batch.decode.slot.shape[0]
     pages = page_table[batch.decode.slot, :n_ctx_pages]
     cached = jnp.where(batch.decode.length > 0, batch.positions[:W], 0)
-    if cfg.decode_attention == "auto" and not kernels_available(cfg.dtype):
+    if kernel == "cpu":
         out = paged_decode_cpu.paged_decode_attention_cpu(
             q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index
         )
     else:
         out = paged_decode_attention(
-            q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index,
-            interpret=cfg.decode_attention == "interpret",
+            q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index, interpret=kernel == "interpret"
         )
     return place_decode_rows(out.astype(q.dtype), batch.decode, q.shape[0])
 

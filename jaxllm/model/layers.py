@@ -69,21 +69,19 @@ def project(x: jax.Array, w: jax.Array | LayerSlice, n_contract: int = 1, *, ker
     `jaxllm.model.matvec` and `jaxllm.model.matvec_cpu`). A `LayerSlice` w goes to the C++
     kernel as its whole stack.
     """
-    if isinstance(w, LayerSlice):
-        if kernel != "cpu":
-            raise ValueError("a LayerSlice weight is for the CPU kernel")
-        shape = w.stack.shape[1:]
-        lead, inner = x.shape[: x.ndim - n_contract], math.prod(shape[:n_contract])
-        out = matmul_cpu(x.reshape(-1, inner), w.stack.reshape(w.stack.shape[0], inner, -1), layer=w.index)
-        return out.reshape(*lead, *shape[n_contract:])
+    if isinstance(w, LayerSlice) and kernel != "cpu":
+        raise ValueError("a LayerSlice weight is for the CPU kernel")
     if kernel == "xla":
         return jnp.tensordot(x, w, axes=n_contract)
-    lead, inner = x.shape[: x.ndim - n_contract], math.prod(w.shape[:n_contract])
+    stack, layer = (w.stack, w.index) if isinstance(w, LayerSlice) else (w, None)
+    shape = stack.shape[1:] if layer is not None else stack.shape  # one layer's matrix
+    lead, inner = x.shape[: x.ndim - n_contract], math.prod(shape[:n_contract])
+    x2 = x.reshape(-1, inner)
     if kernel == "cpu":
-        out = matmul_cpu(x.reshape(-1, inner), w.reshape(inner, -1))
+        out = matmul_cpu(x2, stack.reshape(*stack.shape[: stack.ndim - len(shape)], inner, -1), layer=layer)
     else:
-        out = matvec(x.reshape(-1, inner), w.reshape(inner, -1), interpret=kernel == "interpret")
-    return out.reshape(*lead, *w.shape[n_contract:])
+        out = matvec(x2, stack.reshape(inner, -1), interpret=kernel == "interpret")
+    return out.reshape(*lead, *shape[n_contract:])
 
 
 def dense_mlp(x: jax.Array, p: DenseMlpParams, *, kernel: str = "xla") -> jax.Array:

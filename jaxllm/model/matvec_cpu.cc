@@ -103,8 +103,9 @@ std::pair<int64_t, int64_t> PartRange(int64_t p, int64_t n_parts, int64_t n) {
 
 // w is one matrix, or a stack [L, ...] of which `layer` is used: a layer loop (lax.scan)
 // passes the stack whole, since slicing it would copy the layer's weights before each call.
+template <bool transposed>
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool transposed) {
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3)) {
@@ -120,7 +121,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const float* xp = x.typed_data();
   const float* wp = w.typed_data() + layer_index * Din * N;
   float* yp = y->typed_data();
-  if (transposed) {  // parts take runs of output rows (contiguous weight rows)
+  if constexpr (transposed) {  // parts take runs of output rows (contiguous weight rows)
     const int64_t n_parts = PartsFor(pool, N, kMinRowsPerPart);
     jaxllm::ParallelFor(pool, n_parts, [&](int64_t p) {
       const auto [n0, n1] = PartRange(p, n_parts, N);
@@ -143,30 +144,17 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  return Matmul(pool, x, w, layer, y, /*transposed=*/false);
-}
-
-ffi::Error MatmulTransposedF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  return Matmul(pool, x, w, layer, y, /*transposed=*/true);
+// (pool, x, w, layer) -> y, for both products.
+auto MatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulF32, MatmulF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulTransposedF32, MatmulTransposedF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulF32, Matmul<false>, MatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmMatmulTransposedF32, Matmul<true>, MatmulBinding());
