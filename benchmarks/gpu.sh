@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark plan in one script (an H200 with JAX 0.11 + CUDA plugin, no network).
 # Usage (repo root, with the wheels of the packages the machine lacks in .whl/):
-#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|unroll] [OUT_DIR]
+#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|unroll|decode] [OUT_DIR]
 # Installs the project without touching the machine's jax (--no-deps --no-index), then runs
 # the engine cases (benchmarks/gpu_engine.py) and/or the server cases (jaxllm bench-serve
 # against `jaxllm serve --load-format dummy`), printing one table each.
@@ -56,4 +56,27 @@ if [[ $what == flags ]]; then
     XLA_FLAGS="$flags" python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json \
       --cases a_steps --steps 8 2>&1 | grep -E "^A |Error|error:" | sed 's/^/8B bf16 /'
   done
+fi
+
+# The batch-1 decode step's kernels: the Pallas kernels against their oracles at real shapes,
+# the step with the add + RMSNorm kernel against XLA's norms (8B), both models' steps, where
+# the remaining time goes, and whether XLA turns the decode loop into one graph with WHILE.
+if [[ $what == decode ]]; then
+  timeout 150 python3 benchmarks/paged_decode_check.py 2>&1 | grep -v "^W0\|^I0"
+  timeout 60 python3 benchmarks/norm_check.py 2>&1 | grep -v "^W0\|^I0"
+  timeout 150 python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json --cases a_steps,anorm --steps 8 2>&1 \
+    | grep -E "^A |Error|error:" | sed 's/^/8B bf16 /'
+  for dt in float32 bfloat16; do
+    timeout 60 python3 benchmarks/gpu_engine.py --config configs/smollm2-135m.json --dtype $dt --cases a_steps,anorm --steps 16 2>&1 \
+      | grep -E "^A |Error|error:" | sed "s/^/135M $dt /"
+  done
+  timeout 90 python3 benchmarks/profile_step.py --config configs/llama3-8b.json --dtype bfloat16 --steps 8 --calls 2 --top 25 \
+    --out "$out/profile-8b" 2>&1 | grep -v "^W0\|^I0"
+  rm -rf "$out"/profile-*/raw
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" TF_CPP_MIN_LOG_LEVEL=0 \
+    TF_CPP_VMODULE=command_buffer_conversion_pass=2,command_buffer_scheduling=2 \
+    timeout 100 python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json --cases a_steps --steps 8 > "$out/while.log" 2>&1
+  grep -E "^A " "$out/while.log" | sed 's/^/8B bf16 +WHILE /'
+  grep -iE "while|convert|command buffer" "$out/while.log" | grep -v "^A " | cut -c1-300 | sort | uniq -c | sort -rn | head -25
+  gzip -f "$out/while.log"
 fi

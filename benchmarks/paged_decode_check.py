@@ -32,7 +32,8 @@ import numpy as np
 # Run from a checkout without installing jaxllm: the repo root is this file's parent's parent.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxllm.attention.paged_decode import paged_decode_attention  # noqa: E402
+from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_attention_qkv  # noqa: E402
+from jaxllm.model.layers import apply_rope  # noqa: E402
 from jaxllm.attention.reference import Windows, paged_attention  # noqa: E402
 
 
@@ -90,6 +91,21 @@ def _exact_reference(args: dict) -> jax.Array:
     """The reference with float32 dots in full precision (XLA would use TF32 on the GPU)."""
     with jax.default_matmul_precision("highest"):
         return jax.jit(_reference)(**args)
+
+
+def _rope_err(case: Case, *, interpret: bool) -> float:
+    """The fused-projection entry (q, k, v as rows of one array, RoPE in the kernel) against
+    the exact reference on inputs rotated by `apply_rope`."""
+    args = _inputs(case, seed=1)
+    qkv = jnp.concatenate([args["q"], args["k_new"], args["v_new"]], axis=1)
+    inv_freq = 1.0 / (500000.0 ** (jnp.arange(case.Dh // 2, dtype=jnp.float32) * 2 / case.Dh))
+    positions = args["cached_len"]
+    ours = paged_decode_attention_qkv(
+        qkv, positions, inv_freq, args["k_pages"], args["v_pages"], args["pages"], args["cached_len"],
+        n_heads=case.H, interpret=interpret,
+    )
+    rotated = dict(args, q=apply_rope(args["q"], positions, inv_freq), k_new=apply_rope(args["k_new"], positions, inv_freq))
+    return _rel_err(ours, _exact_reference(rotated))
 
 
 def _chained(fn, n: int):
@@ -259,6 +275,12 @@ def main() -> int:
             f"{r['kernel'] * 1e3:8.4f} {r['ref'] * 1e3:8.4f} {r['ref'] / r['kernel']:7.1f} {r['gbps']:6.0f} "
             f"{r['call_kernel'] * 1e3:8.4f} {r['call_ref'] * 1e3:8.4f}" + ("  MISMATCH" if bad else "")
         )
+    for case in cases:
+        err = _rope_err(case, interpret=args.interpret)
+        bad = not err <= _tolerance(case.dtype)
+        failed |= bad
+        print(f"{case.name:9s} {case.dtype:8s} {case.W:3d} {case.n_ctx_pages:6d}: fused q/k/v input with RoPE, "
+              f"rel err {err:.1e}" + ("  MISMATCH" if bad else ""))
     if not args.no_layer_loop:
         try:
             _layer_loop_table(interpret=args.interpret, reps=reps, small=args.small)

@@ -68,12 +68,18 @@ class ModelConfig:
     # On the GPU "auto" is XLA's because in the 8B step on an H200 the Pallas kernel measured
     # slower (5.71 vs 5.33 ms per token) although alone its chain beat XLA's (4.28 vs 4.60 ms).
     decode_matmul: str = "auto"
+    # Residual add + RMSNorm of rounds of up to 64 tokens: "auto" runs the Pallas kernel
+    # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
+    # always XLA's; "interpret" the Pallas kernel in its interpreter (CPU tests of the wiring).
+    decode_norm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_attention not in ("auto", "reference", "interpret"):
             raise ValueError(f"decode_attention must be auto, reference or interpret, got {self.decode_attention!r}")
         if self.decode_matmul not in ("auto", "xla", "pallas", "interpret"):
             raise ValueError(f"decode_matmul must be auto, xla, pallas or interpret, got {self.decode_matmul!r}")
+        if self.decode_norm not in ("auto", "xla", "interpret"):
+            raise ValueError(f"decode_norm must be auto, xla or interpret, got {self.decode_norm!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:

@@ -10,9 +10,15 @@ slow. This kernel instead reads each needed K/V page once, straight from the poo
   * grid (window, kv head, split): a program owns the G = H / K query heads of one kv head
     (padded to >= 16 rows so the dots map to tensor cores) and one share of the window's
     *live* pages, so a short sequence in a long bucket launches programs that exit at once;
-  * it walks its pages a block at a time (page ids are read inside the kernel), keeping a
-    running max / sum / f32 accumulator, and writes the partial (o, m, l);
-  * a small jnp epilogue merges the splits and the fresh key.
+  * it walks its pages a block at a time (page ids are read inside the kernel, clamped to the
+    bucket), keeping a running max / sum / f32 accumulator; split 0 starts from the token's
+    own fresh key and value, so every window's softmax has at least one live term;
+  * a second small kernel merges the splits' partials (o, m, l) per query head and writes
+    the output rows (zeros for windows that do not decode).
+
+Everything around the two kernels is left to the caller's fusions: a decode step runs this
+once per layer, and on an H200 each extra small kernel (padding q or the page ids, an XLA
+epilogue) cost 1.3-3 us per layer, 32 times per step.
 
 The pool layout is [P, page_size, K, Dh]; the kernel sees it as rows [P * page_size, K * Dh]
 (a free reshape), so one kv head of one position is `Dh` contiguous elements. It also takes
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxllm.pallas_triton import MIN_DOT, compiler_params, whole_block
+from jaxllm.pallas_triton import MIN_DOT, compiler_params, plgpu, whole_block
 
 _MASKED = -1e30  # finite: exp(_MASKED - m) is 0 without inf - inf = nan
 _TARGET_PROGRAMS = 256  # ~2 programs per SM on an H200 (132 SMs): measured best for W = 8
@@ -38,37 +44,53 @@ _TRASH_PAGE = 0  # page never handed out (see jaxllm.state): dead rows read it, 
 
 
 def default_splits(n_windows: int, n_kv_heads: int, n_ctx_pages: int, pages_per_block: int) -> int:
-    """Splits of each window's pages so that the grid fills the GPU even with few windows."""
+    """Splits of each window's pages so that the grid fills the GPU even with few windows
+    (a power of two: the merge kernel loads all of a head's splits as one block)."""
     wanted = -(-_TARGET_PROGRAMS // (n_windows * n_kv_heads))
-    return max(1, min(wanted, -(-n_ctx_pages // pages_per_block)))
+    return pl.next_power_of_2(max(1, min(wanted, -(-n_ctx_pages // pages_per_block))))
 
 
 def _cdiv(a: jax.Array, b: int) -> jax.Array:
     return lax.div(a + (b - 1), b)
 
 
+def _rotate(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """RoPE on the two halves of rows (HF `rotate_half` layout) in float32, rounded to `dtype`
+    like `jaxllm.model.layers.apply_rope`."""
+    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
+
+
 def _decode_kernel(
     layer_ref,  # [1] i32 layer of the stacked pool (0 for one layer's pool)
-    len_ref,  # [W] i32 live cached positions per window
-    pages_ref,  # [W, n_pad] i32 page ids (padded with the trash page)
-    q_ref,  # [Gp, Dh] this program's query heads
+    len_ref,  # [W] i32 cached positions per window
+    pages_ref,  # [W, n_ctx_pages] i32 page ids
+    q_ref,  # [W, R, Dh] rows holding the queries from row q_off (H heads)
+    k_new_ref,  # [W, R', Dh] rows holding the fresh keys from row k_off (K heads)
+    v_new_ref,  # [W, R'', Dh] rows holding the fresh values from row v_off
     k_ref,  # [L * P * page_size, K * Dh] whole pool, every layer
     v_ref,
-    o_ref,  # [Gp, Dh] f32 partial output (unnormalised)
-    m_ref,  # [Gp] f32 running max
-    l_ref,  # [Gp] f32 softmax denominator
-    *,
+    *rest,  # (positions [W] i32, inv_freq [Dh/2] f32) with rope; then o, m, l
+    offsets: tuple[int, int, int],
+    rope: bool,
     page_size: int,
     pages_per_block: int,
     n_splits: int,
+    n_ctx_pages: int,
+    group: int,
     head_dim: int,
     scale: float,
     precision: lax.Precision | None,
     grid_order: str,
     pool_rows: int,
 ):
+    if rope:
+        pos_ref, inv_freq_ref, o_ref, m_ref, l_ref = rest
+    else:
+        o_ref, m_ref, l_ref = rest  # o: [W, K, S, Gp, Dh] whole; m, l: [Gp] this program's
     w, h, s = (pl.program_id(grid_order.index(axis)) for axis in "whs")
-    length = len_ref[w]
+    # Attended positions are clipped to the bucket, like the reference's gather.
+    length = jnp.minimum(len_ref[w], n_ctx_pages * page_size)
     # lax.div, not //: everything is non-negative, and floor division lowers to more ops.
     n_pages = _cdiv(length, page_size)
     # This split's share of the live pages, in whole blocks; later splits may get none.
@@ -80,56 +102,82 @@ def _decode_kernel(
     block_rows = pages_per_block * page_size
     layer_base = layer_ref[0] * pool_rows  # first row of this layer's pool
     row = lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
-    cols = pl.ds(h * head_dim, head_dim)
-    q = q_ref[...]
+    half = head_dim // 2
+    # Both halves of every row apart: RoPE pairs them, so the dots run per half.
+    lo, hi = pl.ds(h * head_dim, half), pl.ds(h * head_dim + half, half)
+    gp = m_ref.shape[0]
+    dtype = k_ref.dtype
+    q_off, k_off, v_off = offsets
+    # The kv head's G query heads, padded to gp rows with zeros (masked, never read past H).
+    head_live = lax.broadcasted_iota(jnp.int32, (gp,), 0) < group
+    q_live = jnp.broadcast_to(head_live[:, None], (gp, half))
+    q_rows = pl.ds(q_off + h * group, gp)
+    q1 = plgpu.load(q_ref.at[w, q_rows, pl.ds(0, half)], mask=q_live, other=0)
+    q2 = plgpu.load(q_ref.at[w, q_rows, pl.ds(half, half)], mask=q_live, other=0)
+    fresh = pl.ds(k_off + h, 1)
+    k1 = k_new_ref[w, fresh, pl.ds(0, half)]  # [1, Dh/2]
+    k2 = k_new_ref[w, fresh, pl.ds(half, half)]
+    if rope:
+        angles = pos_ref[w].astype(jnp.float32) * inv_freq_ref[...][None, :]  # [1, Dh/2]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        q1, q2 = _rotate(q1, q2, cos, sin, dtype)
+        k1, k2 = _rotate(k1, k2, cos, sin, dtype)
+    else:
+        q1, q2, k1, k2 = (a.astype(dtype) for a in (q1, q2, k1, k2))
     dims = (((1,), (1,)), ((), ()))  # q @ k.T
 
     def body(b, carry):
         o, m, l = carry
         pos = (first_page + b * pages_per_block) * page_size + row  # cache positions of the block
         live = pos < length
-        page = pages_ref[w, lax.div(pos, page_size)]
+        # A block may run past the bucket's last page: clamp the id (the rows are dead).
+        page = pages_ref[w, jnp.minimum(lax.div(pos, page_size), n_ctx_pages - 1)]
         # Dead rows (past cached_len) read the trash page: cached, so no HBM traffic.
         page = jnp.where(live, page, _TRASH_PAGE)
         rows = layer_base + page * page_size + lax.rem(pos, page_size)
-        k = k_ref[rows, cols]  # [block_rows, Dh]
-        v = v_ref[rows, cols]
-        logits = lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)
+        logits = lax.dot_general(q1, k_ref[rows, lo], dims, precision=precision, preferred_element_type=jnp.float32)
+        logits += lax.dot_general(q2, k_ref[rows, hi], dims, precision=precision, preferred_element_type=jnp.float32)
         logits = jnp.where(live[None, :], logits * scale, _MASKED)
         m_new = jnp.maximum(m, logits.max(axis=1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
         l_new = l * correction + p.sum(axis=1)
         # Zero dead values: a 0 weight times a non-finite stale value would still be nan.
+        v = v_ref[rows, pl.ds(h * head_dim, head_dim)]
         v = jnp.where(live[:, None], v, jnp.zeros_like(v))
         pv = lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
         return o * correction[:, None] + pv, m_new, l_new
 
-    gp = q.shape[0]
+    # Split 0 starts from the fresh key (exact f32 products, no tensor-core rounding); the
+    # others from an empty softmax.
+    f32 = jnp.float32
+    fresh_logit = ((q1.astype(f32) * k1.astype(f32)).sum(axis=1) + (q2.astype(f32) * k2.astype(f32)).sum(axis=1)) * scale
+    v_fresh = v_new_ref[w, pl.ds(v_off + h, 1), :].astype(dtype).astype(f32)  # [1, Dh]
+    first = s == 0
     init = (
-        jnp.zeros((gp, head_dim), jnp.float32),
-        jnp.full((gp,), _MASKED, jnp.float32),
-        jnp.zeros((gp,), jnp.float32),
+        jnp.where(first, jnp.broadcast_to(v_fresh, (gp, head_dim)), 0.0),
+        jnp.where(first, fresh_logit, _MASKED),
+        jnp.where(first, 1.0, jnp.zeros((gp,), f32)),
     )
     o, m, l = lax.fori_loop(0, n_blocks, body, init)
-    o_ref[...] = o
+    # Only the G real rows: the merge never reads the padding.
+    o_live = jnp.broadcast_to(head_live[:, None], (gp, head_dim))
+    plgpu.store(o_ref.at[w, h, s, pl.ds(0, gp), :], o, mask=o_live)
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _merge(
-    o: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array, k_new: jax.Array, v_new: jax.Array, scale: float
-) -> jax.Array:
-    """Combines the splits' partials ([W, K, S, G, ...]) with each query's fresh key."""
-    W, K, G, _ = q.shape
-    fresh = jnp.einsum("wkgd,wkd->wkg", q, k_new, preferred_element_type=jnp.float32,
-                       precision=lax.Precision.HIGHEST) * scale
-    m_all = jnp.maximum(m.max(axis=2), fresh)  # [W, K, G]; finite thanks to the fresh key
-    c = jnp.exp(m - m_all[:, :, None])  # [W, K, S, G]
-    c_fresh = jnp.exp(fresh - m_all)
-    denom = (l * c).sum(axis=2) + c_fresh
-    numer = (o * c[..., None]).sum(axis=2) + c_fresh[..., None] * v_new[:, :, None, :].astype(jnp.float32)
-    return numer / denom[..., None]
+def _merge_kernel(
+    live_ref,  # [W] i32: 0 = the window does not decode, its rows are zeros
+    o_ref,  # [S, Dh] one query head's partials from every split
+    m_ref,  # [S]
+    l_ref,  # [S]
+    out_ref,  # [Dh]
+):
+    m = m_ref[...]
+    c = jnp.exp(m - m.max())  # the max is finite: split 0 holds the fresh key
+    out = (o_ref[...] * c[:, None]).sum(axis=0) / (l_ref[...] * c).sum()
+    out_ref[...] = jnp.where(live_ref[pl.program_id(0)] > 0, out, 0.0).astype(out_ref.dtype)
 
 
 @functools.partial(
@@ -145,6 +193,7 @@ def paged_decode_attention(
     cached_len: jax.Array,
     *,
     layer: jax.Array | int | None = None,
+    window_live: jax.Array | None = None,
     interpret: bool = False,
     pages_per_block: int | None = None,
     n_splits: int | None = None,
@@ -164,10 +213,13 @@ def paged_decode_attention(
       cached_len: [W] i32; cache positions [0, cached_len) are attended (0 allowed; clipped
         to the bucket, n_ctx_pages * page_size, like the reference).
       layer: i32 scalar, the layer of a stacked pool (required with one, else unused).
-      interpret: run the kernel in the Pallas interpreter (CPU tests).
+      window_live: [W] bool/int, windows whose output rows are kept (default: all); the
+        others come back as zeros.
+      interpret: run the kernels in the Pallas interpreter (CPU tests).
       pages_per_block: pages per loop step (default: 64 positions, at least 16 rows).
-      n_splits: programs per (window, kv head) (default: enough to fill the GPU).
-      num_warps, num_stages: Triton launch parameters.
+      n_splits: programs per (window, kv head), rounded up to a power of two (default:
+        enough to fill the GPU).
+      num_warps, num_stages: Triton launch parameters of the main kernel.
       grid_order: the grid's axes, fastest-varying first (the GPU launches blocks in x order):
         w = window, h = kv head, s = split. "hsw" runs a window's heads side by side, so
         the pool rows they share (K heads x Dh contiguous) are fetched together.
@@ -177,6 +229,65 @@ def paged_decode_attention(
       accumulated in float32.
     """
     W, H, Dh = q.shape
+    return _paged_decode(
+        (q, k_new, v_new), (0, 0, 0), H, k_pages, v_pages, pages, cached_len, layer=layer,
+        window_live=window_live, rope=None, interpret=interpret, pages_per_block=pages_per_block,
+        n_splits=n_splits, num_warps=num_warps, num_stages=num_stages, grid_order=grid_order,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("n_heads", "interpret"))
+def paged_decode_attention_qkv(
+    qkv: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    pages: jax.Array,
+    cached_len: jax.Array,
+    *,
+    n_heads: int,
+    layer: jax.Array | int | None = None,
+    window_live: jax.Array | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """`paged_decode_attention` straight from a fused projection's output, RoPE included.
+
+    qkv: [W, H + 2K, Dh] the windows' queries, keys and values before RoPE (heads in that
+    order, as `jaxllm.params` fuses them); positions: [W] i32 each window's position;
+    inv_freq: [Dh/2] f32 RoPE frequencies. The kernel rotates q and the fresh k itself, so a
+    decode layer runs no slicing or RoPE kernels before attention (the cache write rotates
+    k again, once for all layers). Same result as rotating first and calling
+    `paged_decode_attention`.
+    """
+    K = k_pages.shape[-2]
+    return _paged_decode(
+        (qkv, qkv, qkv), (0, n_heads, n_heads + K), n_heads, k_pages, v_pages, pages, cached_len,
+        layer=layer, window_live=window_live, rope=(positions, inv_freq), interpret=interpret,
+    )
+
+
+def _paged_decode(
+    qkv: tuple[jax.Array, jax.Array, jax.Array],
+    offsets: tuple[int, int, int],
+    H: int,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    pages: jax.Array,
+    cached_len: jax.Array,
+    *,
+    layer: jax.Array | int | None,
+    window_live: jax.Array | None,
+    rope: tuple[jax.Array, jax.Array] | None,
+    interpret: bool,
+    pages_per_block: int | None = None,
+    n_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    grid_order: str = "hsw",
+) -> jax.Array:
+    """Both kernels; q, k_new, v_new are rows of the three arrays from `offsets`."""
+    W, _, Dh = qkv[0].shape
     if k_pages.ndim == 5:
         if layer is None:
             raise ValueError("a stacked [L, P, page, K, Dh] pool needs `layer`")
@@ -194,28 +305,34 @@ def paged_decode_attention(
     pages_per_block = max(pages_per_block, -(-MIN_DOT // page_size))
     if n_splits is None:
         n_splits = default_splits(W, K, n_ctx_pages, pages_per_block)
+    n_splits = pl.next_power_of_2(n_splits)
     scale = Dh**-0.5
     # float32 dots would otherwise run as TF32 on the GPU (~1e-3 relative error).
     precision = lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None
-
-    # Query heads of one kv head, padded to a power of two >= 16 rows (zeros, sliced off).
-    gp = max(MIN_DOT, pl.next_power_of_2(G))
-    qg = q.reshape(W, K, G, Dh).astype(k_pages.dtype)
-    q_pad = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
-    # Blocks may run up to pages_per_block - 1 pages past the live range: pad the ids so
-    # those reads stay in bounds (their rows are masked and read the trash page anyway).
-    pages_pad = jnp.pad(pages.astype(jnp.int32), ((0, 0), (0, pages_per_block)), constant_values=_TRASH_PAGE)
-    length = jnp.minimum(cached_len.astype(jnp.int32), n_ctx_pages * page_size)
-    k_rows = k_pages.reshape(-1, K * Dh)
-    v_rows = v_pages.reshape(-1, K * Dh)
+    gp = max(MIN_DOT, pl.next_power_of_2(G))  # query rows per program (dots want >= 16)
 
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    live = jnp.ones((W,), jnp.int32) if window_live is None else window_live.astype(jnp.int32)
+    operands = [
+        layer_arr,
+        cached_len.astype(jnp.int32),
+        pages.astype(jnp.int32),
+        *qkv,
+        k_pages.reshape(-1, K * Dh),
+        v_pages.reshape(-1, K * Dh),
+    ]
+    if rope is not None:
+        operands += [rope[0].astype(jnp.int32), rope[1].astype(jnp.float32)]
     kernel = functools.partial(
         _decode_kernel,
+        offsets=offsets,
+        rope=rope is not None,
         pool_rows=n_pool * page_size,
         page_size=page_size,
         pages_per_block=pages_per_block,
         n_splits=n_splits,
+        n_ctx_pages=n_ctx_pages,
+        group=G,
         head_dim=Dh,
         scale=scale,
         precision=precision,
@@ -227,33 +344,39 @@ def paged_decode_attention(
         """An index map of (w, h, s) over a grid laid out in `grid_order`."""
         return lambda *g: index_map(*(g[grid_order.index(axis)] for axis in "whs"))
 
-    params = compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    o_shape = jax.ShapeDtypeStruct((W, K, n_splits, gp, Dh), jnp.float32)
     o, m, l = pl.pallas_call(
         kernel,
         grid=tuple(sizes[axis] for axis in grid_order),
-        in_specs=[
-            whole_block(layer_arr),
-            whole_block(length),
-            whole_block(pages_pad),
-            pl.BlockSpec((None, None, gp, Dh), by_axes(lambda w, h, s: (w, h, 0, 0))),
-            whole_block(k_rows),
-            whole_block(v_rows),
-        ],
+        in_specs=[whole_block(a) for a in operands],
         out_specs=[
-            pl.BlockSpec((None, None, None, gp, Dh), by_axes(lambda w, h, s: (w, h, s, 0, 0))),
+            whole_block(o_shape),  # each program stores its G real rows (masked)
             pl.BlockSpec((None, None, None, gp), by_axes(lambda w, h, s: (w, h, s, 0))),
             pl.BlockSpec((None, None, None, gp), by_axes(lambda w, h, s: (w, h, s, 0))),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((W, K, n_splits, gp, Dh), jnp.float32),
+            o_shape,
             jax.ShapeDtypeStruct((W, K, n_splits, gp), jnp.float32),
             jax.ShapeDtypeStruct((W, K, n_splits, gp), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=params,
+        compiler_params=compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages),
         name="paged_decode_attention",
-    )(layer_arr, length, pages_pad, q_pad, k_rows, v_rows)
+    )(*operands)
 
-    out = _merge(o[..., :G, :], m[..., :G], l[..., :G], qg.astype(jnp.float32),
-                 k_new.astype(jnp.float32), v_new, scale)
-    return out.reshape(W, H, Dh).astype(q.dtype)
+    # One program per query head: it reads only its own rows of the partials.
+    return pl.pallas_call(
+        _merge_kernel,
+        grid=(W, H),
+        in_specs=[
+            whole_block(live),
+            pl.BlockSpec((None, None, n_splits, None, Dh), lambda w, q: (w, q // G, 0, q % G, 0)),
+            pl.BlockSpec((None, None, n_splits, None), lambda w, q: (w, q // G, 0, q % G)),
+            pl.BlockSpec((None, None, n_splits, None), lambda w, q: (w, q // G, 0, q % G)),
+        ],
+        out_specs=pl.BlockSpec((None, None, Dh), lambda w, q: (w, q, 0)),
+        out_shape=jax.ShapeDtypeStruct((W, H, Dh), qkv[0].dtype),
+        interpret=interpret,
+        compiler_params=compiler_params(interpret=interpret, num_warps=1, num_stages=1),
+        name="paged_decode_merge",
+    )(live, o, m, l)

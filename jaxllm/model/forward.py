@@ -15,10 +15,10 @@ from flax import struct
 
 from jaxllm.attention.fused import chunk_attention, fused_attention_available
 from jaxllm.attention import paged_decode_cpu
-from jaxllm.attention.paged_decode import paged_decode_attention
+from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_attention_qkv
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference, place_decode_rows
 from jaxllm.config import ModelConfig
-from jaxllm.model import matvec_cpu
+from jaxllm.model import matvec_cpu, rms_norm_kernel
 from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.pallas_triton import kernels_available
 from jaxllm.params import LayerParams, MoeParams, Params
@@ -36,26 +36,41 @@ class TokenBatch:
     chunks: Windows  # multi-token windows (prompt chunks)
 
 
+@struct.dataclass
+class DecodeLookups:
+    """What decode attention reads per window, the same for every layer: looked up once."""
+
+    pages: jax.Array  # [W, n_ctx_pages] i32 page ids of each decode window's slot
+    cached: jax.Array  # [W] i32 cached positions (0 for windows that do not decode)
+
+
 def _layer(
     x: jax.Array,
+    pending: jax.Array | None,
     kv: KVCache,
     layer_index: jax.Array | int,
     lp: LayerParams,
     batch: TokenBatch,
     page_table: jax.Array,
+    lookups: DecodeLookups,
     cfg: ModelConfig,
     *,
     chunk_len: int,
     n_ctx_pages: int,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
-    """One block; reads the cache, returns this round's (k, v) for the caller to write."""
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
+    """One block on the residual stream `x + pending` (the previous block's MLP output is
+    added here, inside this block's first norm). Returns (the stream after attention, the MLP
+    output still to add, this round's (k, v) for the caller to write, expert activity)."""
     a = lp.attn
     inv_freq = rope_inv_freq(cfg)
-    h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
+    norm = norm_kernel(cfg, x.shape[0])
+    x, h = add_rms_norm(x, pending, lp.attn_norm, cfg.rms_eps, kernel=norm)
     mm = matmul_kernel(cfg, x.shape[0])
+    qkv = None
     if a.wqkv is not None:  # the runtime layout: one matmul for all three
         H = cfg.n_heads
-        q, k, v = jnp.split(project(h, a.wqkv, kernel=mm), [H, H + cfg.n_kv_heads], axis=1)
+        qkv = project(h, a.wqkv, kernel=mm)
+        q, k, v = jnp.split(qkv, [H, H + cfg.n_kv_heads], axis=1)
     else:
         q, k, v = (project(h, w, kernel=mm) for w in (a.wq, a.wk, a.wv))
     if a.bq is not None:
@@ -74,7 +89,11 @@ def _layer(
     )
     kernel = decode_attention_kernel(cfg)
     if kernel is not None and batch.decode.slot.shape[0]:
-        attn = _decode_kernel_attention(q, k, v, kv, layer_index, page_table, batch, n_ctx_pages, kernel)
+        # A decode-only round hands the Pallas kernel the raw projection output: it slices and
+        # rotates q and the fresh k itself (the rotated k here then feeds only the cache write).
+        raw = qkv is not None and a.bq is None and a.q_norm is None and not batch.chunks.slot.shape[0]
+        fused_input = (qkv, inv_freq) if raw and kernel != "cpu" else None
+        attn = _decode_kernel_attention(q, k, v, kv, layer_index, lookups, batch, kernel, fused_input)
     else:
         attn = paged_decode_reference(
             q, k, v, batch.positions, k_layer, v_layer, page_table, batch.decode, n_ctx_pages=n_ctx_pages
@@ -86,15 +105,40 @@ def _layer(
         )
     elif batch.chunks.slot.shape[0]:
         attn = attn + attend(batch.chunks, window_len=chunk_len)
-    x = x + project(attn, a.wo, 2, kernel=mm)
-
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_eps)
+    x, h = add_rms_norm(x, project(attn, a.wo, 2, kernel=mm), lp.mlp_norm, cfg.rms_eps, kernel=norm)
     if isinstance(lp.mlp, MoeParams):
         valid = batch.slots < page_table.shape[0] - 1
         out, expert_tokens = moe_mlp(h, lp.mlp, cfg, valid)
     else:
         out, expert_tokens = dense_mlp(h, lp.mlp, kernel=mm), jnp.zeros((0,), jnp.int32)
-    return x + out, (k, v), expert_tokens
+    return x, out, (k, v), expert_tokens
+
+
+# Rounds of at most this many tokens run the residual add and RMSNorm as one Pallas kernel
+# where it compiles (GPU): decode rounds, where XLA's two or three kernels per norm are
+# launch-bound slivers. Longer rounds keep XLA's fusions.
+NORM_KERNEL_MAX_ROWS = 64
+
+
+def norm_kernel(cfg: ModelConfig, n_tokens: int) -> str | None:
+    """Which kernel runs a round's add + RMSNorm (see ModelConfig.decode_norm): "pallas",
+    "interpret" (the Pallas kernel in its interpreter), or None for XLA's fusions."""
+    if n_tokens > NORM_KERNEL_MAX_ROWS or cfg.decode_norm == "xla":
+        return None
+    if cfg.decode_norm == "interpret":
+        return "interpret"
+    return "pallas" if kernels_available(cfg.dtype) else None
+
+
+def add_rms_norm(
+    x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float, *, kernel: str | None
+) -> tuple[jax.Array, jax.Array]:
+    """(x + delta, rms_norm(x + delta)) by the Pallas kernel or by XLA (`norm_kernel`)."""
+    if kernel is not None:
+        return rms_norm_kernel.add_rms_norm(x, delta, weight, eps=eps, interpret=kernel == "interpret")
+    if delta is not None:
+        x = x + delta
+    return x, rms_norm(x, weight, eps)
 
 
 # Rounds of at most this many tokens run their projections through the matvec kernel: on
@@ -130,29 +174,36 @@ def _decode_kernel_attention(
     v: jax.Array,
     kv: KVCache,
     layer_index: jax.Array | int,
-    page_table: jax.Array,
+    lookups: DecodeLookups,
     batch: TokenBatch,
-    n_ctx_pages: int,
     kernel: str,
+    fused_input: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Decode windows' attention by a paged kernel (see `decode_attention_kernel`); [T, H, Dh]
     with zeros past them.
 
     Decode windows are the batch's first rows, one token each (see `steps`). The kernel gets
     the whole [L, ...] cache and the layer index: a per-layer slice would be copied first.
+    `fused_input` = (the [T, H + 2K, Dh] projection before RoPE, RoPE's frequencies) lets the
+    Pallas kernel read q, k, v from it and rotate them itself.
     """
     W = batch.decode.slot.shape[0]
-    pages = page_table[batch.decode.slot, :n_ctx_pages]
-    cached = jnp.where(batch.decode.length > 0, batch.positions[:W], 0)
+    pages, cached = lookups.pages, lookups.cached
     if kernel == "cpu":
         out = paged_decode_cpu.paged_decode_attention_cpu(
             q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index
         )
-    else:
-        out = paged_decode_attention(
-            q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, layer=layer_index, interpret=kernel == "interpret"
+        return place_decode_rows(out.astype(q.dtype), batch.decode, q.shape[0])
+    # The Pallas kernel writes zeros for windows that do not decode itself.
+    common = dict(layer=layer_index, window_live=batch.decode.length > 0, interpret=kernel == "interpret")
+    if fused_input is not None:
+        qkv, inv_freq = fused_input
+        out = paged_decode_attention_qkv(
+            qkv[:W], batch.positions[:W], inv_freq, kv.k, kv.v, pages, cached, n_heads=q.shape[1], **common
         )
-    return place_decode_rows(out.astype(q.dtype), batch.decode, q.shape[0])
+    else:
+        out = paged_decode_attention(q[:W], k[:W], v[:W], kv.k, kv.v, pages, cached, **common)
+    return out if W == q.shape[0] else jnp.concatenate([out, jnp.zeros((q.shape[0] - W, *out.shape[1:]), out.dtype)])
 
 
 def _projections_by_reference(lp: LayerParams, layers: LayerParams, i: jax.Array) -> LayerParams:
@@ -215,31 +266,43 @@ def forward(
       (final-normed hidden [T, D], the updated cache, tokens per expert [L, E] or [L, 0]).
     """
     x = params.embed[batch.tokens].astype(cfg.jnp_dtype)
-    kwargs = dict(page_table=page_table, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
+    W = batch.decode.slot.shape[0]
+    lookups = DecodeLookups(
+        pages=page_table[batch.decode.slot, :n_ctx_pages],
+        cached=jnp.where(batch.decode.length > 0, batch.positions[:W], 0),
+    )
+    kwargs = dict(page_table=page_table, lookups=lookups, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
+    # The residual stream is x + pending: each block adds its predecessor's MLP output inside
+    # its first norm (one kernel for both in decode rounds; see `norm_kernel`).
+    pending = None
 
     if not isinstance(params.layers, tuple):
+        pending = jnp.zeros_like(x)  # scan's carry needs an array from the start
         by_reference = matmul_kernel(cfg, batch.tokens.shape[0]) == "cpu"
 
-        def body(x, xs):
+        def body(carry, xs):
             lp, i = xs
             if by_reference:
                 lp = _projections_by_reference(lp, params.layers, i)
-            x, new_kv, experts = _layer(x, kv, i, lp, batch, **kwargs)
-            return x, (new_kv, experts)
+            x, pending, new_kv, experts = _layer(*carry, kv, i, lp, batch, **kwargs)
+            return (x, pending), (new_kv, experts)
 
-        x, ((k_new, v_new), experts) = jax.lax.scan(body, x, (params.layers, jnp.arange(cfg.n_layers)))
+        (x, pending), ((k_new, v_new), experts) = jax.lax.scan(
+            body, (x, pending), (params.layers, jnp.arange(cfg.n_layers))
+        )
     else:
         ks, vs, per_layer = [], [], []
         for i, lp in enumerate(params.layers):
-            x, (k, v), e = _layer(x, kv, i, lp, batch, **kwargs)
+            x, pending, (k, v), e = _layer(x, pending, kv, i, lp, batch, **kwargs)
             ks.append(k)
             vs.append(v)
             per_layer.append(e)
         k_new, v_new, experts = jnp.stack(ks), jnp.stack(vs), jnp.stack(per_layer)
+    x, hidden = add_rms_norm(x, pending, params.final_norm, cfg.rms_eps, kernel=norm_kernel(cfg, x.shape[0]))
     # The write must follow every read of the cache; see `_after`.
-    batch = batch.replace(positions=_after(batch.positions, x))
+    batch = batch.replace(positions=_after(batch.positions, hidden))
     kv = write_kv(kv, k_new, v_new, batch, page_table)
-    return rms_norm(x, params.final_norm, cfg.rms_eps), kv, experts
+    return hidden, kv, experts
 
 
 def lm_head(params: Params, hidden: jax.Array, *, kernel: str = "xla") -> jax.Array:

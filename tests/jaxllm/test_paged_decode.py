@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.attention.paged_decode import paged_decode_attention
+from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_attention_qkv
 from jaxllm.attention.reference import Windows, paged_attention
+from jaxllm.model.layers import apply_rope
 from jaxllm.pallas_triton import kernels_available
 
 PAGE, N_CTX, P, DH = 4, 6, 16, 16
@@ -87,6 +88,36 @@ def test_dead_pages_do_not_leak():
         q, k_new, v_new, jnp.asarray(k_bad), jnp.asarray(v_bad), pages, cached, interpret=True, pages_per_block=4
     )
     np.testing.assert_allclose(poisoned, ours, rtol=0, atol=0)
+
+
+def test_windows_that_do_not_decode_are_zeros():
+    """`window_live` zeroes whole windows and leaves the others exactly as without it."""
+    args = _inputs(11, 6, 2)
+    live = jnp.asarray([1, 0, 1, 0, 1], jnp.int32)
+    full = paged_decode_attention(*args, interpret=True, pages_per_block=4, n_splits=2)
+    ours = paged_decode_attention(*args, window_live=live, interpret=True, pages_per_block=4, n_splits=2)
+    np.testing.assert_array_equal(ours, jnp.where(live[:, None, None] > 0, full, 0))
+    assert np.all(np.abs(np.asarray(full)[np.asarray(live) == 0]) > 0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_fused_projection_input_with_rope(dtype, tol):
+    """From one [W, H + 2K, Dh] projection output, rotating q and the fresh k in the kernel,
+    the result is the reference's on rotated inputs."""
+    H, K = 6, 2
+    q, k_new, v_new, k_pages, v_pages, pages, cached = _inputs(13, H, K, dtype)
+    qkv = jnp.concatenate([q, k_new, v_new], axis=1)
+    inv_freq = 1.0 / (500.0 ** (jnp.arange(DH // 2, dtype=jnp.float32) * 2 / DH))
+    positions = cached + 3  # any positions: rotation uses them, attention uses cached_len
+    ours = paged_decode_attention_qkv(
+        qkv, positions, inv_freq, k_pages, v_pages, pages, cached, n_heads=H, interpret=True
+    )
+    rotated = [apply_rope(x, positions, inv_freq) for x in (q, k_new)]
+    ref = _reference(rotated[0], rotated[1], v_new, k_pages, v_pages, pages, cached)
+    assert ours.shape == q.shape and ours.dtype == dtype
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
+    unrotated = _reference(q, k_new, v_new, k_pages, v_pages, pages, cached)
+    assert not np.allclose(np.asarray(ours, np.float32), np.asarray(unrotated, np.float32), rtol=tol, atol=tol)
 
 
 def test_bfloat16_close_to_reference():

@@ -217,8 +217,8 @@ def test_packed_prompts_give_the_same_tokens(params):
 
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
-    """The Pallas paged decode kernel and the matvec kernel (interpreted on CPU), and the C++
-    CPU kernels, wired into the forward, in mixed rounds and multi-step decode calls, sample
+    """The Pallas paged decode kernel, the matvec kernel and the add + RMSNorm kernel
+    (interpreted on CPU), and the C++ CPU kernels, wired into the forward, in mixed rounds and multi-step decode calls, sample
     what the reference attention and XLA's dots sample."""
     from jaxllm.params import layout_params
 
@@ -239,6 +239,8 @@ def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
     assert run(decode_attention="interpret", decode_matmul="xla") == reference
     # The matvec kernel in every projection of the rounds with few tokens (decode rounds).
     assert run(decode_attention="reference", decode_matmul="interpret") == reference
+    # What a GPU decode round runs: the attention and norm kernels around XLA's dots.
+    assert run(decode_attention="interpret", decode_matmul="xla", decode_norm="interpret") == reference
     # The defaults: on the CPU in float32, the C++ attention and matmul kernels.
     if paged_decode_cpu.available(CFG.dtype) and matvec_cpu.available(CFG.dtype):
         assert run() == reference
