@@ -59,13 +59,18 @@ if [[ $what == flags ]]; then
 fi
 
 # The batch-1 decode step's kernels: the Pallas kernels against their oracles at real shapes,
-# the step with the add + RMSNorm kernel against XLA's norms (8B), both models' steps, where
-# the remaining time goes, and whether XLA turns the decode loop into one graph with WHILE.
+# the 8B step under each XLA flag set of DECODE_FLAG_SETS ('|'-separated; the first, empty,
+# is XLA's defaults), the 135M step with and without the add + RMSNorm kernel, and where an
+# 8B step's time goes.
 if [[ $what == decode ]]; then
-  timeout 150 python3 benchmarks/paged_decode_check.py 2>&1 | grep -v "^W0\|^I0"
-  timeout 60 python3 benchmarks/norm_check.py 2>&1 | grep -v "^W0\|^I0"
-  timeout 150 python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json --cases a_steps,anorm --steps 8 2>&1 \
-    | grep -E "^A |Error|error:" | sed 's/^/8B bf16 /'
+  timeout 150 python3 benchmarks/paged_decode_check.py --no-layer-loop 2>&1 | grep -v "^W0\|^I0"
+  [[ -n ${NORM_CHECK:-} ]] && timeout 60 python3 benchmarks/norm_check.py 2>&1 | grep -v "^W0\|^I0"
+  IFS='|' read -ra sets <<< "${DECODE_FLAG_SETS:-}"
+  [[ ${#sets[@]} == 0 ]] && sets=("")
+  for flags in "${sets[@]}"; do
+    XLA_FLAGS="$flags" timeout 150 python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json --cases ${DECODE_8B_CASES:-a_steps} \
+      --steps 8 2>&1 | grep -E "^A |Error|error:" | sed "s/^/8B bf16 [$flags] /"
+  done
   for dt in float32 bfloat16; do
     timeout 60 python3 benchmarks/gpu_engine.py --config configs/smollm2-135m.json --dtype $dt --cases a_steps,anorm --steps 16 2>&1 \
       | grep -E "^A |Error|error:" | sed "s/^/135M $dt /"
@@ -73,10 +78,4 @@ if [[ $what == decode ]]; then
   timeout 90 python3 benchmarks/profile_step.py --config configs/llama3-8b.json --dtype bfloat16 --steps 8 --calls 2 --top 25 \
     --out "$out/profile-8b" 2>&1 | grep -v "^W0\|^I0"
   rm -rf "$out"/profile-*/raw
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" TF_CPP_MIN_LOG_LEVEL=0 \
-    TF_CPP_VMODULE=command_buffer_conversion_pass=2,command_buffer_scheduling=2 \
-    timeout 100 python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json --cases a_steps --steps 8 > "$out/while.log" 2>&1
-  grep -E "^A " "$out/while.log" | sed 's/^/8B bf16 +WHILE /'
-  grep -iE "while|convert|command buffer" "$out/while.log" | grep -v "^A " | cut -c1-300 | sort | uniq -c | sort -rn | head -25
-  gzip -f "$out/while.log"
 fi

@@ -56,6 +56,11 @@ class EngineConfig:
     # covers every decoding slot, so a lone request does not pay for idle slots. Each width
     # multiplies the compiled variants; () means just max_slots.
     decode_widths: tuple[int, ...] = ()
+    # The narrowest decode part of rounds that carry a prompt chunk (0 = no floor). Chunk
+    # rounds then compile only for widths >= this, not for every width x chunk bucket: with
+    # max_slots it is one width, and the 8B server's warm-up compiles 24 variants instead of
+    # 30. The extra decode rows are a few percent of a chunk round's tokens.
+    chunk_decode_width: int = 0
     # Prompts a round's chunk may carry side by side (packed prefill). Each segment is a
     # window of the chunk bucket's length in attention, so this multiplies its cost on the
     # reference path; worth it where fused attention runs (GPU), 1 elsewhere.
@@ -73,6 +78,10 @@ class EngineConfig:
 
     def widths(self) -> tuple[int, ...]:
         return tuple(sorted({w for w in self.decode_widths if 0 < w < self.max_slots} | {self.max_slots}))
+
+    def chunk_widths(self) -> tuple[int, ...]:
+        """The decode widths a round with a prompt chunk can have."""
+        return tuple(w for w in self.widths() if w >= min(self.chunk_decode_width, self.max_slots))
 
 
 @dataclasses.dataclass
@@ -312,7 +321,8 @@ class Engine:
         out: list[tuple[tuple, Callable[[], Any]]] = []
         n = self.config.decode_steps_per_call
         for ctx, width in itertools.product(self.ctx_buckets(), self.config.widths()):
-            for size in [0] + list(self.config.chunk_buckets):
+            chunk_sizes = list(self.config.chunk_buckets) if width in self.config.chunk_widths() else []
+            for size in [0] + chunk_sizes:
                 chunk_len = max(size, 1)
                 out.append((("step", chunk_len, ctx, width), lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width:
                             steps.step.lower(self.params, self.state, idle, self._idle_chunk(size), cfg=self.cfg,
@@ -424,7 +434,7 @@ class Engine:
         for s in decoding:
             s.dispatched += 1
         chunk_len = int(chunk.tokens.shape[0]) if n_prompt else 1
-        ctx, width = self._ctx_pages(ctx_needed), self._decode_width(decoding)
+        ctx, width = self._ctx_pages(ctx_needed), self._decode_width(decoding, chunk=bool(n_prompt))
         compiled = self._compiled.get(("step", chunk_len, ctx, width))
         if compiled is not None:
             self.state, out = compiled(self.params, self.state, inputs, chunk)
@@ -443,10 +453,11 @@ class Engine:
                 inputs.token_mask[s.slot] = s.constraint.allowed_bitmask()
                 inputs.constrained[s.slot] = True
 
-    def _decode_width(self, decoding: list[Sequence]) -> int:
-        """The smallest configured decode width covering every decoding slot."""
+    def _decode_width(self, decoding: list[Sequence], *, chunk: bool = False) -> int:
+        """The smallest configured decode width covering every decoding slot (and, in a round
+        with a prompt chunk, at least `chunk_decode_width`)."""
         top = max((s.slot for s in decoding), default=-1) + 1
-        return next(w for w in self.config.widths() if w >= top)
+        return next(w for w in (self.config.chunk_widths() if chunk else self.config.widths()) if w >= top)
 
     def _ctx_pages(self, n_positions: int) -> int:
         pages = max(self.layout.pages_for(n_positions), self.config.min_ctx_pages)

@@ -58,6 +58,7 @@ class EngineShape:
     decode_steps_per_call: int = _ENGINE.decode_steps_per_call
     decode_widths: tuple[int, ...] = _ENGINE.decode_widths
     chunk_segments: int = _ENGINE.chunk_segments
+    chunk_decode_width: int = _ENGINE.chunk_decode_width
 
     def __post_init__(self) -> None:
         self.engine_config()  # a bad shape fails when the settings are read, with the runtime's message
@@ -68,7 +69,7 @@ class EngineShape:
             max_slots=self.max_slots, kv_bytes=self.kv_mib << 20, max_seq_len=self.max_seq_len,
             page_size=self.page_size, chunk_buckets=tuple(self.chunk_buckets), min_ctx_pages=self.min_ctx_pages,
             decode_steps_per_call=self.decode_steps_per_call, decode_widths=tuple(self.decode_widths),
-            chunk_segments=self.chunk_segments,
+            chunk_segments=self.chunk_segments, chunk_decode_width=self.chunk_decode_width,
         )
 
 

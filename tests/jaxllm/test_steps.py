@@ -31,11 +31,11 @@ def params():
 
 def make_engine(
     params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32), decode_widths=(1, 2), chunk_segments=1, cfg=CFG,
-    unroll=1,
+    unroll=1, chunk_decode_width=0,
 ) -> Engine:
     config = EngineConfig(max_slots=slots, kv_bytes=1 << 20, max_seq_len=128, chunk_buckets=chunk_buckets,
                           min_ctx_pages=2, decode_steps_per_call=steps_per_call, decode_widths=decode_widths,
-                          chunk_segments=chunk_segments, decode_unroll=unroll)
+                          chunk_segments=chunk_segments, decode_unroll=unroll, chunk_decode_width=chunk_decode_width)
     return Engine(cfg, params, eos_ids=[0], config=config)
 
 
@@ -150,9 +150,12 @@ def test_no_recompilation_after_warmup(params):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
-    for steps_per_call, chunk_segments in ((1, 1), (3, 2)):
-        engine = make_engine(params, slots=3, steps_per_call=steps_per_call, chunk_segments=chunk_segments)
-        engine.warmup()
+    counts = []
+    # The last engine compiles chunk rounds at its widest decode width only.
+    for steps_per_call, chunk_segments, chunk_width in ((1, 1, 0), (3, 2, 0), (3, 2, 3)):
+        engine = make_engine(params, slots=3, steps_per_call=steps_per_call, chunk_segments=chunk_segments,
+                             chunk_decode_width=chunk_width)
+        counts.append(engine.warmup())
         jax.monitoring.register_event_duration_secs_listener(listener)
         try:
             compiles.clear()
@@ -193,6 +196,8 @@ def test_no_recompilation_after_warmup(params):
             assert compiles == [], f"{len(compiles)} compilations after warm-up"
         finally:
             jax.monitoring.clear_event_listeners()
+    # Widths (1, 2, 3) x 2 chunk buckets: 4 chunk-round variants per context bucket fewer.
+    assert counts[2] < counts[1]
 
 
 def test_packed_prompts_give_the_same_tokens(params):
