@@ -92,9 +92,9 @@ def default_config(M: int, K: int, N: int, itemsize: int) -> dict[str, int | boo
 
 
 def _matvec_kernel(
-    x_ref,  # [Mp, K] whole x (rows padded to >= 16 in dot mode)
-    w_ref,  # [K, N] whole w
-    o_ref,  # [Mp, block_n] this program's block of its split's output
+    x_ref,  # [M, K] whole x
+    w_ref,  # [K, N] whole w ([K, 2N] gate then up columns when gated)
+    o_ref,  # [split_k, M, N] whole output; this program stores its split's block
     *,
     K: int,
     N: int,
@@ -104,6 +104,7 @@ def _matvec_kernel(
     k_blocks_per_split: int,
     n_k_blocks: int,
     use_dot: bool,
+    gated: bool,
     precision: lax.Precision | None,
 ):
     n, s = pl.program_id(0), pl.program_id(1)
@@ -114,59 +115,74 @@ def _matvec_kernel(
     else:
         n_iter = jnp.clip(n_k_blocks - first, 0, k_blocks_per_split)  # the last splits get less
     ragged_k, ragged_n = K % block_k != 0, N % block_n != 0
-    cols = pl.ds(n0, block_n)
     col_live = (n0 + lax.broadcasted_iota(jnp.int32, (block_n,), 0)) < N
+    # Dot mode multiplies a [mp >= 16, block_k] tile of x: rows past M load as zeros (masked,
+    # never read), so x needs no padded copy.
+    mp = max(MIN_DOT, pl.next_power_of_2(M))
+    x_row_live = lax.broadcasted_iota(jnp.int32, (mp,), 0) < M
 
     def row_live(k0):
         return (k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)) < K
 
-    def load_w(k0):
-        """The [block_k, block_n] tile of w at rows k0.., zero past K and N."""
-        rows = pl.ds(k0, block_k)
+    def load_w(k0, col0):
+        """The [block_k, block_n] tile of w at rows k0.., columns col0.., zero past K and N."""
+        rows, cols = pl.ds(k0, block_k), pl.ds(col0, block_n)
         if not (ragged_k or ragged_n):
             return w_ref[rows, cols]
         return plgpu.load(w_ref.at[rows, cols], mask=row_live(k0)[:, None] & col_live[None, :], other=0)
 
     def load_x(m, k0):
-        """Row m of x (all rows for m=None) at columns k0.., zero past K."""
-        rows = pl.ds(k0, block_k)
+        """Row m of x (the [mp, block_k] tile of every row for m=None) at columns k0.., zero
+        past K and M."""
+        cols = pl.ds(k0, block_k)
+        if m is None:
+            mask = x_row_live[:, None] & (row_live(k0)[None, :] if ragged_k else True)
+            return plgpu.load(x_ref.at[pl.ds(0, mp), cols], mask=jnp.broadcast_to(mask, (mp, block_k)), other=0)
         # An int32 row, not a Python int: the interpreter's masked load wants shaped indices.
-        at = (slice(None), rows) if m is None else (jnp.int32(m), rows)
+        at = (jnp.int32(m), cols)
         if not ragged_k:
             return x_ref[at]
-        live = row_live(k0)
-        return plgpu.load(x_ref.at[at], mask=live if m is not None else live[None, :], other=0)
+        return plgpu.load(x_ref.at[at], mask=row_live(k0), other=0)
 
     def k_start(i):
         return pl.multiple_of((first + i) * block_k, block_k)
 
+    # Gated: the same block of the gate columns [0, N) and of the up columns [N, 2N).
+    col0s = (n0, N + n0) if gated else (n0,)
     if use_dot:
 
-        def dot_body(i, acc):
+        def dot_body(i, accs):
             k0 = k_start(i)
-            return acc + lax.dot_general(
-                load_x(None, k0), load_w(k0), (((1,), (0,)), ((), ())),
-                precision=precision, preferred_element_type=jnp.float32,
+            x = load_x(None, k0)
+            return tuple(
+                acc + lax.dot_general(x, load_w(k0, c), (((1,), (0,)), ((), ())),
+                                      precision=precision, preferred_element_type=jnp.float32)
+                for acc, c in zip(accs, col0s)
             )
 
-        acc = lax.fori_loop(0, n_iter, dot_body, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        accs = lax.fori_loop(0, n_iter, dot_body, tuple(jnp.zeros((mp, block_n), jnp.float32) for _ in col0s))
+    else:
+
+        def fma_body(i, accs):
+            k0 = k_start(i)
+            ws = [load_w(k0, c).astype(jnp.float32) for c in col0s]
+            xs = [load_x(m, k0).astype(jnp.float32)[:, None] for m in range(M)]
+            return tuple(accs[j * M + m] + xs[m] * ws[j] for j in range(len(col0s)) for m in range(M))
+
+        init = tuple(jnp.zeros((block_k, block_n), jnp.float32) for _ in range(M * len(col0s)))
+        sums = [a.sum(axis=0) for a in lax.fori_loop(0, n_iter, fma_body, init)]
+        for m in range(M):  # row by row: M need not be a power of two here
+            row = jax.nn.silu(sums[m]) * sums[M + m] if gated else sums[m]
+            plgpu.store(o_ref.at[s, jnp.int32(m), pl.ds(n0, block_n)], row.astype(o_ref.dtype), mask=col_live)
         return
-
-    def fma_body(i, accs):
-        k0 = k_start(i)
-        w = load_w(k0).astype(jnp.float32)
-        return tuple(a + load_x(m, k0).astype(jnp.float32)[:, None] * w for m, a in enumerate(accs))
-
-    init = tuple(jnp.zeros((block_k, block_n), jnp.float32) for _ in range(M))
-    accs = lax.fori_loop(0, n_iter, fma_body, init)
-    for m, acc in enumerate(accs):  # rows M..Mp of the block stay unwritten: sliced off
-        o_ref[m, :] = acc.sum(axis=0).astype(o_ref.dtype)
+    out = jax.nn.silu(accs[0]) * accs[1] if gated else accs[0]
+    mask = x_row_live[:, None] & col_live[None, :]
+    plgpu.store(o_ref.at[s, pl.ds(0, mp), pl.ds(n0, block_n)], out.astype(o_ref.dtype), mask=mask)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("interpret", "block_n", "block_k", "split_k", "use_dot", "num_warps", "num_stages"),
+    static_argnames=("interpret", "block_n", "block_k", "split_k", "use_dot", "num_warps", "num_stages", "gated"),
 )
 def matvec(
     x: jax.Array,
@@ -179,6 +195,7 @@ def matvec(
     use_dot: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    gated: bool = False,
 ) -> jax.Array:
     """x @ w for a few rows of x, accumulated in float32: the decode step's projections.
 
@@ -195,12 +212,16 @@ def matvec(
       use_dot: tensor-core dot on x padded to 16 rows (the default), else per-row float32
         FMA accumulators reduced after the loop (M accumulators: for M of 1 or 2).
       num_warps, num_stages: Triton launch parameters.
+      gated: w is a fused [K, 2N] gate-and-up matrix; returns silu(x @ gate) * (x @ up),
+        the SwiGLU hidden state, in one kernel (no split of K: the product is not linear).
 
     Returns:
       [M, N] in x.dtype. float32 inputs use full-precision products (no TF32).
     """
     M, K = x.shape
     K_w, N = w.shape
+    if gated:
+        N //= 2
     if K_w != K:
         raise ValueError(f"x is [M, {K}] but w is [{K_w}, N]")
     if jnp.dtype(w.dtype).itemsize == 1:
@@ -216,15 +237,11 @@ def matvec(
     n_n_blocks = -(-N // block_n)
     if split_k is None:
         split_k = _pick_split(n_k_blocks, n_n_blocks)
-    split_k = max(1, min(split_k, n_k_blocks))
+    split_k = 1 if gated else max(1, min(split_k, n_k_blocks))
     k_blocks_per_split = -(-n_k_blocks // split_k)
     split_k = -(-n_k_blocks // k_blocks_per_split)  # no split left without work
 
-    # Triton tensors are powers of two: pad x's rows (zeros) and slice the output's off.
-    mp = max(MIN_DOT, pl.next_power_of_2(M)) if use_dot else pl.next_power_of_2(M)
     x_in = x.astype(w.dtype)
-    if use_dot and mp != M:
-        x_in = jnp.pad(x_in, ((0, mp - M), (0, 0)))
     # float32 dots would otherwise run as TF32 on the GPU (~1e-3 relative error).
     precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     out_dtype = x.dtype if split_k == 1 else jnp.float32
@@ -239,24 +256,21 @@ def matvec(
         k_blocks_per_split=k_blocks_per_split,
         n_k_blocks=n_k_blocks,
         use_dot=use_dot,
+        gated=gated,
         precision=precision,
     )
     params = compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    out_shape = jax.ShapeDtypeStruct((split_k, M, N), out_dtype)
     out = pl.pallas_call(
         kernel,
         grid=(n_n_blocks, split_k),
         in_specs=[whole_block(x_in), whole_block(w)],
-        out_specs=pl.BlockSpec((None, mp, block_n), lambda n, s: (s, 0, n)),
-        # N padded to whole blocks: every store is a full block, no store masks needed.
-        out_shape=jax.ShapeDtypeStruct((split_k, mp, n_n_blocks * block_n), out_dtype),
+        # Stores are masked to [M, N]: one split's output is the result as it stands.
+        out_specs=whole_block(out_shape),
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=params,
-        name="matvec",
+        name="matvec_gated" if gated else "matvec",
     )(x_in, w)
-
-    out = out[:, :M, :N]
-    if split_k > 1:
-        out = out.sum(axis=0)
-    else:
-        out = out[0]
+    out = out[0] if split_k == 1 else out.sum(axis=0)
     return out.astype(x.dtype)

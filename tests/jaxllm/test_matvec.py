@@ -27,6 +27,8 @@ CASES = [
     (8, 128, 80, 32, 64, 3, True),  # 4 K blocks over 3 splits: shares 2, 2 -> 2 splits
     (8, 50, 20, 16, 16, 1, True),  # ragged everything, one split
     (16, 64, 64, 32, 32, 2, True),  # M = 16: no row padding
+    (1, 64, 48, 16, 16, 1, True),  # M = 1 through the dot: rows 1..15 of the x tile are masked
+    (1, 100, 70, 32, 32, 2, True),  # ... with ragged K and N
 ]
 
 
@@ -95,3 +97,15 @@ def test_rejects_bad_blocks():
 
 def test_available_only_on_gpu():
     assert kernels_available("bfloat16") is False  # CI runs on CPU
+
+
+@pytest.mark.parametrize("M,K,N,block_n,use_dot", [(1, 64, 48, 16, True), (1, 100, 70, 32, True), (2, 96, 40, 16, False)])
+def test_gated_is_swiglu_of_both_halves(M, K, N, block_n, use_dot):
+    """gated=True on a fused [K, 2N] gate|up matrix is silu(x @ gate) * (x @ up)."""
+    x, w = _inputs(M + K + N, M, K, 2 * N)
+    ours = matvec(jnp.asarray(x), jnp.asarray(w), interpret=True, block_k=16, block_n=block_n, use_dot=use_dot, gated=True)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    gate, up = x64 @ w64[:, :N], x64 @ w64[:, N:]
+    ref = gate / (1 + np.exp(-gate)) * up
+    assert ours.shape == (M, N)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
