@@ -66,7 +66,7 @@ class ModelConfig:
     # hand-written Pallas matvec (jaxllm.model.matvec) for one-row rounds where it compiles
     # (GPU); "interpret" runs that kernel in the Pallas interpreter (CPU tests of the wiring).
     # On the GPU "auto" is XLA's because in the 8B step on an H200 the Pallas kernel measured
-    # slower (5.71 vs 5.33 ms per token) although alone its chain beat XLA's (4.28 vs 4.60 ms).
+    # slower (5.18 vs 4.79 ms per token) although alone its chain beat XLA's (4.37 vs 4.66 ms).
     decode_matmul: str = "auto"
     # Residual add + RMSNorm of rounds of up to 64 tokens: "auto" runs the Pallas kernel
     # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"

@@ -2,23 +2,27 @@
 
 At decode every projection reads its whole weight matrix to multiply it by a handful of
 rows, so a step is bound by HBM bandwidth. On an H200, a chain of the 8B decode products at
-one row took 4.60 ms with XLA's GEMV and 4.28 ms with this kernel (benchmarks/matvec_check.py);
-inside the whole step the kernel was still slower (5.71 vs 5.33 ms per token: every call adds
-an x-padding and a split-K sum kernel), so the forward uses it only on request
-(`ModelConfig.decode_matmul = "pallas"`). It keeps many small, coalesced, software-pipelined
-loads of w in flight on every SM:
+one row took 4.60 ms with XLA's GEMV and 4.28 ms with this kernel (benchmarks/matvec_check.py;
+4.66 vs 4.37 ms on 2026-12-03). Inside the whole step it is still slower (5.18 vs 4.79 ms per
+token on 2026-12-03, with x read in place and SwiGLU fused: its split-K sums are extra
+kernels, and the gated gate|up product runs unsplit, 73.8 vs 67.5 us for XLA's dot + silu),
+so the forward uses it only on request (`ModelConfig.decode_matmul = "pallas"`). It keeps
+many small, coalesced, software-pipelined loads of w in flight on every SM:
 
   * grid (N block, K split): a program owns `block_n` output columns and one share of K;
     it walks that share `block_k` rows at a time, loading a [block_k, block_n] tile of the
     row-major w (contiguous along N) and the matching columns of x;
-  * "dot" mode (the default) pads x to 16 rows (Triton's dot minimum) and uses the tensor
-    cores: the wasted rows cost no bandwidth, and Triton's software pipelining
+  * "dot" mode (the default) multiplies a 16-row tile of x (Triton's dot minimum; rows past M
+    are masked loads, zeros, so x is never copied) and uses the tensor cores: the wasted rows
+    cost no bandwidth, and Triton's software pipelining
     (num_stages) is built around dot operands. "fma" mode keeps a [block_k, block_n] float32
     accumulator per row of x and adds x[:, None] * w to it, summing over block_k once after
     the loop; on the H200 it measured a little slower than dot, even at M = 1;
   * when N alone gives too few blocks to fill 132 SMs (wo, qkv, down), K is split too:
     the splits write float32 partials [split_k, M, N] that one jnp sum adds up. With one
-    split the kernel writes x.dtype directly, so no epilogue runs beyond a slice.
+    split the kernel writes x.dtype directly (stores masked to [M, N]: no epilogue at all);
+  * `gated` multiplies a fused [K, 2N] gate|up matrix and returns silu(gate) * up, each
+    program loading the matching blocks of both halves (one split only).
 
 Measured (H200, bf16, per call in a chain of 32 distinct weights, glue included;
 benchmarks/matvec_check.py): at M = 1 the defaults beat XLA's dot by 17% (qkv), 13% (wo),
