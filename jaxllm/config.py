@@ -64,7 +64,9 @@ class ModelConfig:
     # for float32 rounds of up to 8 rows (jaxllm.model.matvec_cpu; XLA's CPU dot streamed
     # the weights ~20% slower) and XLA's dot elsewhere; "xla" always XLA's; "pallas" runs the
     # hand-written Pallas matvec (jaxllm.model.matvec) for one-row rounds where it compiles
-    # (GPU); "interpret" runs that kernel in the Pallas interpreter (CPU tests of the wiring).
+    # (GPU), on unrolled dense layers as a chain of Pallas kernels passing split partials
+    # (forward._pallas_decode_layer); "interpret" runs those kernels in the Pallas interpreter
+    # (CPU tests of the wiring).
     # On the GPU "auto" is XLA's because in the 8B step on an H200 the Pallas kernel measured
     # slower (5.18 vs 4.79 ms per token) although alone its chain beat XLA's (4.37 vs 4.66 ms).
     decode_matmul: str = "auto"

@@ -70,9 +70,10 @@ def _decode_kernel(
     v_new_ref,  # [W, R'', Dh] rows holding the fresh values from row v_off
     k_ref,  # [L * P * page_size, K * Dh] whole pool, every layer
     v_ref,
-    *rest,  # (positions [W] i32, inv_freq [Dh/2] f32) with rope; then o, m, l
+    *rest,  # (positions [W] i32, inv_freq [Dh/2] f32) with rope; o, m, l; (k_out, v_out)
     offsets: tuple[int, int, int],
     rope: bool,
+    return_kv: bool,
     page_size: int,
     pages_per_block: int,
     n_splits: int,
@@ -84,10 +85,10 @@ def _decode_kernel(
     grid_order: str,
     pool_rows: int,
 ):
-    if rope:
-        pos_ref, inv_freq_ref, o_ref, m_ref, l_ref = rest
-    else:
-        o_ref, m_ref, l_ref = rest  # o: [W, K, S, Gp, Dh] whole; m, l: [Gp] this program's
+    rest = list(rest)
+    pos_ref, inv_freq_ref = (rest.pop(0), rest.pop(0)) if rope else (None, None)
+    o_ref, m_ref, l_ref = rest[:3]  # o: [W, K, S, Gp, Dh] whole; m, l: [Gp] this program's
+    kv_out = rest[3:]  # [W, K, Dh] each, whole: the fresh k (rotated) and v as the cache holds them
     w, h, s = (pl.program_id(grid_order.index(axis)) for axis in "whs")
     # Attended positions are clipped to the bucket, like the reference's gather.
     length = jnp.minimum(len_ref[w], n_ctx_pages * page_size)
@@ -112,11 +113,21 @@ def _decode_kernel(
     head_live = lax.broadcasted_iota(jnp.int32, (gp,), 0) < group
     q_live = jnp.broadcast_to(head_live[:, None], (gp, half))
     q_rows = pl.ds(q_off + h * group, gp)
-    q1 = plgpu.load(q_ref.at[w, q_rows, pl.ds(0, half)], mask=q_live, other=0)
-    q2 = plgpu.load(q_ref.at[w, q_rows, pl.ds(half, half)], mask=q_live, other=0)
+
+    def load(ref, rows, cols, mask=None):
+        """Rows of the window's q/k/v; from float32 split partials [S, W, R, Dh] of the qkv
+        projection they are summed and rounded to the model's dtype, like XLA's product."""
+        if len(ref.shape) == 3:
+            return ref[w, rows, cols] if mask is None else plgpu.load(ref.at[w, rows, cols], mask=mask, other=0)
+        # int32 split indices, not Python ints: the interpreter's masked load wants shaped ones.
+        parts = [plgpu.load(ref.at[jnp.int32(i), w, rows, cols], mask=mask, other=0) for i in range(ref.shape[0])]
+        return functools.reduce(jnp.add, parts).astype(dtype)
+
+    q1 = load(q_ref, q_rows, pl.ds(0, half), q_live)
+    q2 = load(q_ref, q_rows, pl.ds(half, half), q_live)
     fresh = pl.ds(k_off + h, 1)
-    k1 = k_new_ref[w, fresh, pl.ds(0, half)]  # [1, Dh/2]
-    k2 = k_new_ref[w, fresh, pl.ds(half, half)]
+    k1 = load(k_new_ref, fresh, pl.ds(0, half))  # [1, Dh/2]
+    k2 = load(k_new_ref, fresh, pl.ds(half, half))
     if rope:
         angles = pos_ref[w].astype(jnp.float32) * inv_freq_ref[...][None, :]  # [1, Dh/2]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -152,7 +163,15 @@ def _decode_kernel(
     # others from an empty softmax.
     f32 = jnp.float32
     fresh_logit = ((q1.astype(f32) * k1.astype(f32)).sum(axis=1) + (q2.astype(f32) * k2.astype(f32)).sum(axis=1)) * scale
-    v_fresh = v_new_ref[w, pl.ds(v_off + h, 1), :].astype(dtype).astype(f32)  # [1, Dh]
+    v_fresh = load(v_new_ref, pl.ds(v_off + h, 1), pl.ds(0, head_dim)).astype(dtype)  # [1, Dh]
+    if return_kv:  # split 0 of each (window, kv head) hands the cache write its k and v
+        k_out, v_out = kv_out
+        at = (w, pl.ds(h, 1))
+        for ref, col, val in ((k_out, 0, k1), (k_out, half, k2), (v_out, 0, v_fresh)):
+            width = val.shape[1]
+            plgpu.store(ref.at[(*at, pl.ds(col, width))], val.astype(ref.dtype),
+                        mask=jnp.broadcast_to(s == 0, (1, width)))
+    v_fresh = v_fresh.astype(f32)
     first = s == 0
     init = (
         jnp.where(first, jnp.broadcast_to(v_fresh, (gp, head_dim)), 0.0),
@@ -236,7 +255,7 @@ def paged_decode_attention(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("n_heads", "interpret"))
+@functools.partial(jax.jit, static_argnames=("n_heads", "interpret", "return_kv"))
 def paged_decode_attention_qkv(
     qkv: jax.Array,
     positions: jax.Array,
@@ -250,20 +269,23 @@ def paged_decode_attention_qkv(
     layer: jax.Array | int | None = None,
     window_live: jax.Array | None = None,
     interpret: bool = False,
-) -> jax.Array:
+    return_kv: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """`paged_decode_attention` straight from a fused projection's output, RoPE included.
 
     qkv: [W, H + 2K, Dh] the windows' queries, keys and values before RoPE (heads in that
-    order, as `jaxllm.params` fuses them); positions: [W] i32 each window's position;
-    inv_freq: [Dh/2] f32 RoPE frequencies. The kernel rotates q and the fresh k itself, so a
-    decode layer runs no slicing or RoPE kernels before attention (the cache write rotates
-    k again, once for all layers). Same result as rotating first and calling
-    `paged_decode_attention`.
+    order, as `jaxllm.params` fuses them), or the projection's float32 split partials
+    [S, W, H + 2K, Dh] (`matvec(partials=True)`), summed and rounded to the pool's dtype as
+    they load; positions: [W] i32 each window's position; inv_freq: [Dh/2] f32 RoPE
+    frequencies. The kernel rotates q and the fresh k itself, so a decode layer runs no
+    slicing or RoPE kernels before attention. Same result as rotating first and calling
+    `paged_decode_attention`. With `return_kv` it also returns the fresh (k rotated, v)
+    [W, K, Dh] each in the pool's dtype, what the cache write stores.
     """
     K = k_pages.shape[-2]
     return _paged_decode(
         (qkv, qkv, qkv), (0, n_heads, n_heads + K), n_heads, k_pages, v_pages, pages, cached_len,
-        layer=layer, window_live=window_live, rope=(positions, inv_freq), interpret=interpret,
+        layer=layer, window_live=window_live, rope=(positions, inv_freq), interpret=interpret, return_kv=return_kv,
     )
 
 
@@ -280,14 +302,18 @@ def _paged_decode(
     window_live: jax.Array | None,
     rope: tuple[jax.Array, jax.Array] | None,
     interpret: bool,
+    return_kv: bool = False,
     pages_per_block: int | None = None,
     n_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     grid_order: str = "hsw",
-) -> jax.Array:
-    """Both kernels; q, k_new, v_new are rows of the three arrays from `offsets`."""
-    W, _, Dh = qkv[0].shape
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
+    """Both kernels; q, k_new, v_new are rows of the three arrays from `offsets` (each
+    [W, R, Dh], or float32 split partials [S, W, R, Dh])."""
+    W, Dh = qkv[0].shape[-3], qkv[0].shape[-1]
+    # Partials are float32 sums in progress: the result takes the model's (the pool's) dtype.
+    out_dtype = qkv[0].dtype if qkv[0].ndim == 3 else k_pages.dtype
     if k_pages.ndim == 5:
         if layer is None:
             raise ValueError("a stacked [L, P, page, K, Dh] pool needs `layer`")
@@ -327,6 +353,7 @@ def _paged_decode(
         _decode_kernel,
         offsets=offsets,
         rope=rope is not None,
+        return_kv=return_kv,
         pool_rows=n_pool * page_size,
         page_size=page_size,
         pages_per_block=pages_per_block,
@@ -345,7 +372,8 @@ def _paged_decode(
         return lambda *g: index_map(*(g[grid_order.index(axis)] for axis in "whs"))
 
     o_shape = jax.ShapeDtypeStruct((W, K, n_splits, gp, Dh), jnp.float32)
-    o, m, l = pl.pallas_call(
+    kv_shapes = [jax.ShapeDtypeStruct((W, K, Dh), k_pages.dtype)] * (2 if return_kv else 0)
+    o, m, l, *kv_out = pl.pallas_call(
         kernel,
         grid=tuple(sizes[axis] for axis in grid_order),
         in_specs=[whole_block(a) for a in operands],
@@ -353,11 +381,13 @@ def _paged_decode(
             whole_block(o_shape),  # each program stores its G real rows (masked)
             pl.BlockSpec((None, None, None, gp), by_axes(lambda w, h, s: (w, h, s, 0))),
             pl.BlockSpec((None, None, None, gp), by_axes(lambda w, h, s: (w, h, s, 0))),
+            *[whole_block(k) for k in kv_shapes],
         ],
         out_shape=[
             o_shape,
             jax.ShapeDtypeStruct((W, K, n_splits, gp), jnp.float32),
             jax.ShapeDtypeStruct((W, K, n_splits, gp), jnp.float32),
+            *kv_shapes,
         ],
         interpret=interpret,
         compiler_params=compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages),
@@ -365,7 +395,7 @@ def _paged_decode(
     )(*operands)
 
     # One program per query head: it reads only its own rows of the partials.
-    return pl.pallas_call(
+    out = pl.pallas_call(
         _merge_kernel,
         grid=(W, H),
         in_specs=[
@@ -375,8 +405,9 @@ def _paged_decode(
             pl.BlockSpec((None, None, n_splits, None), lambda w, q: (w, q // G, 0, q % G)),
         ],
         out_specs=pl.BlockSpec((None, None, Dh), lambda w, q: (w, q, 0)),
-        out_shape=jax.ShapeDtypeStruct((W, H, Dh), qkv[0].dtype),
+        out_shape=jax.ShapeDtypeStruct((W, H, Dh), out_dtype),
         interpret=interpret,
         compiler_params=compiler_params(interpret=interpret, num_warps=1, num_stages=1),
         name="paged_decode_merge",
     )(live, o, m, l)
+    return (out, *kv_out) if return_kv else out

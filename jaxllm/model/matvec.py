@@ -22,7 +22,10 @@ many small, coalesced, software-pipelined loads of w in flight on every SM:
     the splits write float32 partials [split_k, M, N] that one jnp sum adds up. With one
     split the kernel writes x.dtype directly (stores masked to [M, N]: no epilogue at all);
   * `gated` multiplies a fused [K, 2N] gate|up matrix and returns silu(gate) * up, each
-    program loading the matching blocks of both halves (one split only).
+    program loading the matching blocks of both halves (one split only);
+  * `partials` returns the splits' float32 products unsummed, for a consumer kernel that adds
+    them as it loads (the decode chain, `jaxllm.model.forward._pallas_decode_layer`), and
+    `swiglu_input` takes gate|up partials as x, applying SwiGLU to each x tile it loads.
 
 Measured (H200, bf16, per call in a chain of 32 distinct weights, glue included;
 benchmarks/matvec_check.py): at M = 1 the defaults beat XLA's dot by 17% (qkv), 13% (wo),
@@ -95,6 +98,22 @@ def default_config(M: int, K: int, N: int, itemsize: int) -> dict[str, int | boo
     return dict(block_n=block_n, block_k=block_k, split_k=split_k, use_dot=True)
 
 
+def _swiglu_tile(x_ref, mp: int, gate_cols, up_cols, mask, dtype) -> jax.Array:
+    """silu(gate) * up for a [mp, block] tile, from the float32 split partials [S, M, 2K] of a
+    gate|up product: each half summed over the splits and rounded to `dtype` first, like the
+    product XLA would have returned."""
+    f32 = jnp.float32
+
+    def summed(cols):
+        # int32 split indices, not Python ints: the interpreter's masked load wants shaped ones.
+        parts = [plgpu.load(x_ref.at[jnp.int32(i), pl.ds(0, mp), cols], mask=mask, other=0)
+                 for i in range(x_ref.shape[0])]
+        return functools.reduce(jnp.add, parts).astype(dtype).astype(f32)
+
+    gate, up = summed(gate_cols), summed(up_cols)
+    return (jax.nn.silu(gate) * up).astype(dtype)
+
+
 def _matvec_kernel(
     x_ref,  # [M, K] whole x
     w_ref,  # [K, N] whole w ([K, 2N] gate then up columns when gated)
@@ -109,6 +128,7 @@ def _matvec_kernel(
     n_k_blocks: int,
     use_dot: bool,
     gated: bool,
+    swiglu_input: bool,
     precision: lax.Precision | None,
 ):
     n, s = pl.program_id(0), pl.program_id(1)
@@ -140,8 +160,10 @@ def _matvec_kernel(
         past K and M."""
         cols = pl.ds(k0, block_k)
         if m is None:
-            mask = x_row_live[:, None] & (row_live(k0)[None, :] if ragged_k else True)
-            return plgpu.load(x_ref.at[pl.ds(0, mp), cols], mask=jnp.broadcast_to(mask, (mp, block_k)), other=0)
+            mask = jnp.broadcast_to(x_row_live[:, None] & (row_live(k0)[None, :] if ragged_k else True), (mp, block_k))
+            if swiglu_input:
+                return _swiglu_tile(x_ref, mp, cols, pl.ds(K + k0, block_k), mask, w_ref.dtype)
+            return plgpu.load(x_ref.at[pl.ds(0, mp), cols], mask=mask, other=0)
         # An int32 row, not a Python int: the interpreter's masked load wants shaped indices.
         at = (jnp.int32(m), cols)
         if not ragged_k:
@@ -186,7 +208,10 @@ def _matvec_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("interpret", "block_n", "block_k", "split_k", "use_dot", "num_warps", "num_stages", "gated"),
+    static_argnames=(
+        "interpret", "block_n", "block_k", "split_k", "use_dot", "num_warps", "num_stages", "gated", "partials",
+        "swiglu_input",
+    ),
 )
 def matvec(
     x: jax.Array,
@@ -200,6 +225,8 @@ def matvec(
     num_warps: int = 4,
     num_stages: int = 3,
     gated: bool = False,
+    partials: bool = False,
+    swiglu_input: bool = False,
 ) -> jax.Array:
     """x @ w for a few rows of x, accumulated in float32: the decode step's projections.
 
@@ -218,11 +245,21 @@ def matvec(
       num_warps, num_stages: Triton launch parameters.
       gated: w is a fused [K, 2N] gate-and-up matrix; returns silu(x @ gate) * (x @ up),
         the SwiGLU hidden state, in one kernel (no split of K: the product is not linear).
+      partials: return the splits' float32 partial products [split_k, M, N] unsummed, for a
+        consumer that sums them while loading (no separate sum kernel).
+      swiglu_input: x is such partials [S, M, 2K] of a gate|up product, and the kernel
+        multiplies silu(gate) * up (each half summed and rounded to w's dtype) by w [K, N].
 
     Returns:
-      [M, N] in x.dtype. float32 inputs use full-precision products (no TF32).
+      [M, N] in x.dtype (float32 partials [split_k, M, N] with `partials`; w's dtype with
+      `swiglu_input`). float32 inputs use full-precision products (no TF32).
     """
-    M, K = x.shape
+    if swiglu_input:
+        if gated or use_dot is False:
+            raise ValueError("swiglu_input runs in dot mode and without gated")
+        (M, K), x_in, result_dtype = (x.shape[1], x.shape[2] // 2), x, w.dtype
+    else:
+        (M, K), x_in, result_dtype = x.shape, x.astype(w.dtype), x.dtype
     K_w, N = w.shape
     if gated:
         N //= 2
@@ -245,10 +282,9 @@ def matvec(
     k_blocks_per_split = -(-n_k_blocks // split_k)
     split_k = -(-n_k_blocks // k_blocks_per_split)  # no split left without work
 
-    x_in = x.astype(w.dtype)
     # float32 dots would otherwise run as TF32 on the GPU (~1e-3 relative error).
     precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-    out_dtype = x.dtype if split_k == 1 else jnp.float32
+    out_dtype = result_dtype if split_k == 1 and not partials else jnp.float32
 
     kernel = functools.partial(
         _matvec_kernel,
@@ -261,6 +297,7 @@ def matvec(
         n_k_blocks=n_k_blocks,
         use_dot=use_dot,
         gated=gated,
+        swiglu_input=swiglu_input,
         precision=precision,
     )
     params = compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
@@ -276,5 +313,7 @@ def matvec(
         compiler_params=params,
         name="matvec_gated" if gated else "matvec",
     )(x_in, w)
+    if partials:
+        return out
     out = out[0] if split_k == 1 else out.sum(axis=0)
-    return out.astype(x.dtype)
+    return out.astype(result_dtype)

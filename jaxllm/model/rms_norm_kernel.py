@@ -29,8 +29,14 @@ def _kernel(x_ref, delta_ref, w_ref, sum_ref, out_ref, *, eps: float, width: int
     cols = pl.ds(0, block)
     x = plgpu.load(x_ref.at[t, cols], mask=live, other=0)
     if delta_ref is not None:
-        x = (x.astype(jnp.float32) + plgpu.load(delta_ref.at[t, cols], mask=live, other=0).astype(jnp.float32))
-        x = x.astype(x_ref.dtype)
+        if len(delta_ref.shape) == 3:  # float32 split partials of a product: summed, then
+            # rounded like the product XLA would have returned in x's dtype.
+            parts = [plgpu.load(delta_ref.at[jnp.int32(i), t, cols], mask=live, other=0)
+                     for i in range(delta_ref.shape[0])]
+            delta = functools.reduce(jnp.add, parts).astype(x_ref.dtype)
+        else:
+            delta = plgpu.load(delta_ref.at[t, cols], mask=live, other=0)
+        x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x_ref.dtype)
         plgpu.store(sum_ref.at[t, cols], x, mask=live)
     x32 = x.astype(jnp.float32)
     normed = x32 * lax.rsqrt((x32 * x32).sum() / width + eps)
@@ -44,13 +50,17 @@ def add_rms_norm(
     x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, eps: float, interpret: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """(x + delta, rms_norm(x + delta) * weight) for x, delta [T, D]; without delta, (x, norm).
+    delta may also be float32 split partials [S, T, D] of a projection (see `matvec(partials=
+    True)`): summed here and rounded to x's dtype before the add.
 
     Same arithmetic as `jaxllm.model.layers.rms_norm` (float32 statistics, the normalised
     row rounded to x's dtype before the weight) up to the order of the mean's summation.
     """
     T, D = x.shape
     out_dtype = jnp.result_type(weight.dtype, x.dtype)
-    operands = [x] + ([] if delta is None else [delta.astype(x.dtype)]) + [weight]
+    if delta is not None and delta.ndim == 2:
+        delta = delta.astype(x.dtype)
+    operands = [x] + ([] if delta is None else [delta]) + [weight]
     outs = ([] if delta is None else [jax.ShapeDtypeStruct((T, D), x.dtype)]) + [
         jax.ShapeDtypeStruct((T, D), out_dtype)
     ]

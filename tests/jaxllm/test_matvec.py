@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -109,3 +110,29 @@ def test_gated_is_swiglu_of_both_halves(M, K, N, block_n, use_dot):
     ref = gate / (1 + np.exp(-gate)) * up
     assert ours.shape == (M, N)
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_partials_sum_to_the_product():
+    """partials=True returns the splits' float32 products unsummed; they add up to x @ w."""
+    x, w = _inputs(5, 1, 96, 40)
+    parts = matvec(jnp.asarray(x), jnp.asarray(w), interpret=True, block_k=16, block_n=16, split_k=3, partials=True)
+    assert parts.shape == (3, 1, 40) and parts.dtype == jnp.float32
+    assert not np.allclose(parts[0], parts[1])  # real shares of K, not copies
+    np.testing.assert_allclose(parts.sum(axis=0), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_input_from_gate_up_partials(dtype):
+    """The down projection straight from gate|up partials: silu(gate) * up of the summed halves
+    (rounded to w's dtype, as XLA's product would be) times w."""
+    rng = np.random.default_rng(9)
+    K, N = 48, 40
+    parts = jnp.asarray(rng.standard_normal((2, 1, 2 * K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((K, N)), dtype)
+    ours = matvec(parts, w, interpret=True, block_k=16, block_n=16, split_k=2, swiglu_input=True)
+    gate, up = (parts.sum(axis=0)[:, :K].astype(dtype), parts.sum(axis=0)[:, K:].astype(dtype))
+    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    ref = np.asarray(hidden, np.float64) @ np.asarray(w, np.float64)
+    assert ours.shape == (1, N) and ours.dtype == dtype
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(ours, np.float64), ref, rtol=tol, atol=tol * np.abs(ref).max())

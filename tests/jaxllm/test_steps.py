@@ -229,26 +229,57 @@ def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
 
     laid_out = layout_params(params, scan_layers)
     prompts = [PROMPT, list(range(3, 40))]  # the second prefills in chunks while the first decodes
-    sampling = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True) for i in range(2)]
+    # Top logprobs too: sampled tokens alone missed a norm kernel dividing by D + 1.
+    sampling = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True, top_logprobs=5)
+                for i in range(2)]
 
-    def run(**kernels: str) -> list[list[int]]:
+    def run(**kernels: str) -> tuple[list[list[int]], np.ndarray]:
         cfg = CFG.replace(scan_layers=scan_layers, **kernels)
         engine = make_engine(laid_out, steps_per_call=3, cfg=cfg)
         first = engine.add(prompts[0], sampling[0])
         engine.step()
         second = engine.add(prompts[1], sampling[1])
         run_until_done(engine, [first, second])
-        return [first.generated, second.generated]
+        top = np.array([[p for _, p in t] for s in (first, second) for t in s.top_logprobs])
+        return [first.generated, second.generated], top
 
-    reference = run(decode_attention="reference", decode_matmul="xla")
-    assert run(decode_attention="interpret", decode_matmul="xla") == reference
+    tokens, top = run(decode_attention="reference", decode_matmul="xla", decode_norm="xla")
+
+    def check(**kernels: str) -> None:
+        ours, our_top = run(**kernels)
+        assert ours == tokens, kernels
+        np.testing.assert_allclose(our_top, top, rtol=1e-4, atol=1e-4, err_msg=str(kernels))
+
+    check(decode_attention="interpret", decode_matmul="xla", decode_norm="xla")
     # The matvec kernel in every projection of the rounds with few tokens (decode rounds).
-    assert run(decode_attention="reference", decode_matmul="interpret") == reference
+    check(decode_attention="reference", decode_matmul="interpret", decode_norm="xla")
     # What a GPU decode round runs: the attention and norm kernels around XLA's dots.
-    assert run(decode_attention="interpret", decode_matmul="xla", decode_norm="interpret") == reference
+    check(decode_attention="interpret", decode_matmul="xla", decode_norm="interpret")
     # The defaults: on the CPU in float32, the C++ attention and matmul kernels.
     if paged_decode_cpu.available(CFG.dtype) and matvec_cpu.available(CFG.dtype):
-        assert run() == reference
+        check()
+
+
+def test_pallas_decode_chain_gives_the_same_tokens(params):
+    """A lone request's one-token rounds through the chain of Pallas kernels that pass split
+    partials to each other (`forward._pallas_decode_layer`, interpreted on CPU) sample what
+    the reference attention and XLA's dots sample."""
+    from jaxllm.params import layout_params
+
+    laid_out = layout_params(params, False)  # the chain runs on unrolled layers
+    # 20 top logprobs of every token: a far finer check than the sampled tokens alone.
+    sampling = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=20)
+
+    def run(**kernels: str):
+        engine = make_engine(laid_out, steps_per_call=3, cfg=CFG.replace(scan_layers=False, **kernels))
+        seq = engine.add(PROMPT, sampling)
+        run_until_done(engine, [seq])
+        return seq.generated, np.array([[p for _, p in top] for top in seq.top_logprobs])
+
+    tokens, top = run(decode_attention="reference", decode_matmul="xla", decode_norm="xla")
+    chain_tokens, chain_top = run(decode_attention="interpret", decode_matmul="interpret", decode_norm="interpret")
+    assert chain_tokens == tokens
+    np.testing.assert_allclose(chain_top, top, rtol=1e-4, atol=1e-4)
 
 
 def test_steps_donate_the_state_without_copies(params):
