@@ -65,7 +65,7 @@ class ModelConfig:
     # the weights ~20% slower) and XLA's dot elsewhere; "xla" always XLA's; "pallas" runs the
     # hand-written Pallas matvec (jaxllm.model.matvec) for one-row rounds where it compiles
     # (GPU), on unrolled dense layers as a chain of Pallas kernels passing split partials
-    # (forward._pallas_decode_layer); "interpret" runs those kernels in the Pallas interpreter
+    # (jaxllm.model.decode_chain); "interpret" runs those kernels in the Pallas interpreter
     # (CPU tests of the wiring).
     # On the GPU "auto" is XLA's because in the 8B step on an H200 the Pallas kernel measured
     # slower (5.18 vs 4.79 ms per token) although alone its chain beat XLA's (4.37 vs 4.66 ms).

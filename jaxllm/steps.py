@@ -20,7 +20,8 @@ from flax import struct
 
 from jaxllm.attention.reference import Windows
 from jaxllm.config import ModelConfig
-from jaxllm.model.forward import TokenBatch, forward, lm_head, matmul_kernel
+from jaxllm.model.forward import TokenBatch, forward, lm_head
+from jaxllm.model.kernel_choice import matmul_kernel
 from jaxllm.params import Params
 from jaxllm.sampling import sample
 from jaxllm.state import DecodeState, KVCache, SeqCheckpoint, SlotSampling, StateLayout, init_state

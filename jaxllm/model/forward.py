@@ -18,10 +18,10 @@ from jaxllm.attention import paged_decode_cpu
 from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_attention_qkv
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference, place_decode_rows
 from jaxllm.config import ModelConfig
-from jaxllm.model import matvec_cpu, rms_norm_kernel
+from jaxllm.model import matvec_cpu
+from jaxllm.model.decode_chain import DecodeLookups, chain_kernel, chain_layer
+from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, matmul_kernel, norm_kernel
 from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
-from jaxllm.model.matvec import matvec
-from jaxllm.pallas_triton import kernels_available
 from jaxllm.params import LayerParams, MoeParams, Params
 from jaxllm.state import KVCache
 
@@ -35,70 +35,6 @@ class TokenBatch:
     positions: jax.Array  # [T] i32
     decode: Windows  # one-token windows; window i is row i (the batch's first rows)
     chunks: Windows  # multi-token windows (prompt chunks)
-
-
-@struct.dataclass
-class DecodeLookups:
-    """What decode attention reads per window, the same for every layer: looked up once."""
-
-    pages: jax.Array  # [W, n_ctx_pages] i32 page ids of each decode window's slot
-    cached: jax.Array  # [W] i32 cached positions (0 for windows that do not decode)
-
-
-def _pallas_decode_pipeline(cfg: ModelConfig, lp: LayerParams, batch: TokenBatch) -> str | None:
-    """"pallas" / "interpret" when a layer of this round runs as `_pallas_decode_layer`: a
-    one-token decode-only round of a dense model with fused projections (no qkv bias or q/k
-    norm) where the Pallas matvec and decode attention kernels are chosen; else None."""
-    mm = matmul_kernel(cfg, batch.tokens.shape[0])
-    attention = decode_attention_kernel(cfg)
-    a = lp.attn
-    if mm not in ("pallas", "interpret") or attention not in ("pallas", "interpret"):
-        return None
-    if batch.chunks.slot.shape[0] or not batch.decode.slot.shape[0] or isinstance(lp.mlp, MoeParams):
-        return None
-    if a.wqkv is None or a.bq is not None or a.q_norm is not None or lp.mlp.w_gate_up is None:
-        return None
-    return mm
-
-
-def _pallas_decode_layer(
-    x: jax.Array,
-    pending: jax.Array | None,
-    kv: KVCache,
-    layer_index: jax.Array | int,
-    lp: LayerParams,
-    batch: TokenBatch,
-    lookups: DecodeLookups,
-    cfg: ModelConfig,
-    *,
-    interpret: bool,
-) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
-    """`_layer` for a one-token decode round as a chain of Pallas kernels that hand each other
-    the matvecs' float32 split partials: no XLA kernel runs between them.
-
-    The matvec kernels leave their K splits unsummed (`matvec(partials=True)`), and the next
-    kernel sums them while loading: attention sums the qkv partials (and rotates q and k, and
-    returns the k and v the cache write stores), the add + RMSNorm kernel sums the o and down
-    partials, the down matvec applies SwiGLU to the gate|up partials. So a layer is six
-    kernels: qkv, attention, merge, o, add + norm, gate|up, down (the next layer's first norm
-    adds the down partials). Same arithmetic as `_layer` up to the order of float32 sums.
-    """
-    a, mlp = lp.attn, lp.mlp
-    norm = "interpret" if interpret else "pallas"
-    T, D = x.shape
-    x, h = add_rms_norm(x, pending, lp.attn_norm, cfg.rms_eps, kernel=norm)
-    qkv = matvec(h, a.wqkv.reshape(D, -1), partials=True, interpret=interpret)
-    qkv = qkv.reshape(qkv.shape[0], T, -1, cfg.head_dim)  # [S, T, H + 2K, Dh]
-    attn, k, v = paged_decode_attention_qkv(
-        qkv, batch.positions, rope_inv_freq(cfg), kv.k, kv.v, lookups.pages, lookups.cached,
-        n_heads=cfg.n_heads, layer=layer_index, window_live=batch.decode.length > 0, interpret=interpret,
-        return_kv=True,
-    )
-    o = matvec(attn.reshape(T, -1), a.wo.reshape(-1, D), partials=True, interpret=interpret)
-    x, h = add_rms_norm(x, o, lp.mlp_norm, cfg.rms_eps, kernel=norm)
-    gate_up = matvec(h, mlp.w_gate_up, partials=True, interpret=interpret)
-    down = matvec(gate_up, mlp.w_down, swiglu_input=True, partials=True, interpret=interpret)
-    return x, down, (k, v), jnp.zeros((0,), jnp.int32)
 
 
 def _layer(
@@ -169,63 +105,6 @@ def _layer(
     else:
         out, expert_tokens = dense_mlp(h, lp.mlp, kernel=mm), jnp.zeros((0,), jnp.int32)
     return x, out, (k, v), expert_tokens
-
-
-# Rounds of at most this many tokens run the residual add and RMSNorm as one Pallas kernel
-# where it compiles (GPU): decode rounds, where XLA's two or three kernels per norm are
-# launch-bound slivers. Longer rounds keep XLA's fusions.
-NORM_KERNEL_MAX_ROWS = 64
-
-
-def norm_kernel(cfg: ModelConfig, n_tokens: int) -> str | None:
-    """Which kernel runs a round's add + RMSNorm (see ModelConfig.decode_norm): "pallas",
-    "interpret" (the Pallas kernel in its interpreter), or None for XLA's fusions."""
-    if n_tokens > NORM_KERNEL_MAX_ROWS or cfg.decode_norm == "xla":
-        return None
-    if cfg.decode_norm == "interpret":
-        return "interpret"
-    return "pallas" if kernels_available(cfg.dtype) else None
-
-
-def add_rms_norm(
-    x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float, *, kernel: str | None
-) -> tuple[jax.Array, jax.Array]:
-    """(x + delta, rms_norm(x + delta)) by the Pallas kernel or by XLA (`norm_kernel`); delta
-    may be float32 split partials [S, T, D] of a projection (see `_pallas_decode_layer`)."""
-    if kernel is not None:
-        return rms_norm_kernel.add_rms_norm(x, delta, weight, eps=eps, interpret=kernel == "interpret")
-    if delta is not None and delta.ndim == 3:
-        delta = delta.sum(axis=0).astype(x.dtype)
-    if delta is not None:
-        x = x + delta
-    return x, rms_norm(x, weight, eps)
-
-
-# Rounds of at most this many tokens run their projections through the matvec kernel: on
-# an H200 it beat XLA's GEMV at one row (8B shapes: 4.28 vs 4.60 ms per step's chain) and lost
-# at 8 and 64 rows (benchmarks/matvec_check.py).
-MATVEC_MAX_ROWS = 1
-
-
-def matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
-    """Which `project` kernel this round's projections use (see ModelConfig.decode_matmul)."""
-    if cfg.decode_matmul == "auto":
-        return "cpu" if n_tokens <= matvec_cpu.MAX_ROWS and matvec_cpu.available(cfg.dtype) else "xla"
-    if n_tokens > MATVEC_MAX_ROWS or cfg.decode_matmul == "xla":
-        return "xla"
-    if cfg.decode_matmul == "interpret":
-        return "interpret"
-    return "pallas" if kernels_available(cfg.dtype) else "xla"
-
-
-def decode_attention_kernel(cfg: ModelConfig) -> str | None:
-    """Which kernel runs decode tokens' attention (see ModelConfig.decode_attention): "pallas",
-    "interpret" (Pallas in its interpreter), "cpu" (C++), or None for the jnp reference."""
-    if cfg.decode_attention == "auto":
-        if kernels_available(cfg.dtype):
-            return "pallas"
-        return "cpu" if paged_decode_cpu.available(cfg.dtype) else None
-    return "interpret" if cfg.decode_attention == "interpret" else None
 
 
 def _decode_kernel_attention(
@@ -354,9 +233,9 @@ def forward(
         ks, vs, per_layer = [], [], []
         for i, lp in enumerate(params.layers):
             # Unrolled layers only: the chain's carried MLP output is [S, T, D] partials.
-            pipeline = _pallas_decode_pipeline(cfg, lp, batch)
+            pipeline = chain_kernel(cfg, lp, batch)
             if pipeline is not None:
-                x, pending, (k, v), e = _pallas_decode_layer(
+                x, pending, (k, v), e = chain_layer(
                     x, pending, kv, i, lp, batch, lookups, cfg, interpret=pipeline == "interpret"
                 )
             else:

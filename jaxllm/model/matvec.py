@@ -24,7 +24,7 @@ many small, coalesced, software-pipelined loads of w in flight on every SM:
   * `gated` multiplies a fused [K, 2N] gate|up matrix and returns silu(gate) * up, each
     program loading the matching blocks of both halves (one split only);
   * `partials` returns the splits' float32 products unsummed, for a consumer kernel that adds
-    them as it loads (the decode chain, `jaxllm.model.forward._pallas_decode_layer`), and
+    them as it loads (`jaxllm.model.decode_chain`), and
     `swiglu_input` takes gate|up partials as x, applying SwiGLU to each x tile it loads.
 
 Measured (H200, bf16, per call in a chain of 32 distinct weights, glue included;

@@ -262,7 +262,7 @@ def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
 
 def test_pallas_decode_chain_gives_the_same_tokens(params):
     """A lone request's one-token rounds through the chain of Pallas kernels that pass split
-    partials to each other (`forward._pallas_decode_layer`, interpreted on CPU) sample what
+    partials to each other (`jaxllm.model.decode_chain`, interpreted on CPU) sample what
     the reference attention and XLA's dots sample."""
     from jaxllm.params import layout_params
 

@@ -1,0 +1,70 @@
+"""Which kernel runs each part of a round: XLA's ops, the Pallas (Triton) kernels on a GPU,
+their interpreted form in CPU tests, or the C++ kernels on a CPU. Chosen per round from the
+model config and the round's token count; everything here is static (trace-time) Python."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxllm.attention import paged_decode_cpu
+from jaxllm.config import ModelConfig
+from jaxllm.model import matvec_cpu, rms_norm_kernel
+from jaxllm.model.layers import rms_norm
+from jaxllm.pallas_triton import kernels_available
+
+
+# Rounds of at most this many tokens run the residual add and RMSNorm as one Pallas kernel
+# where it compiles (GPU): decode rounds, where XLA's two or three kernels per norm are
+# launch-bound slivers. Longer rounds keep XLA's fusions.
+NORM_KERNEL_MAX_ROWS = 64
+
+
+def norm_kernel(cfg: ModelConfig, n_tokens: int) -> str | None:
+    """Which kernel runs a round's add + RMSNorm (see ModelConfig.decode_norm): "pallas",
+    "interpret" (the Pallas kernel in its interpreter), or None for XLA's fusions."""
+    if n_tokens > NORM_KERNEL_MAX_ROWS or cfg.decode_norm == "xla":
+        return None
+    if cfg.decode_norm == "interpret":
+        return "interpret"
+    return "pallas" if kernels_available(cfg.dtype) else None
+
+
+def add_rms_norm(
+    x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float, *, kernel: str | None
+) -> tuple[jax.Array, jax.Array]:
+    """(x + delta, rms_norm(x + delta)) by the Pallas kernel or by XLA (`norm_kernel`); delta
+    may be float32 split partials [S, T, D] of a projection (see `jaxllm.model.decode_chain`)."""
+    if kernel is not None:
+        return rms_norm_kernel.add_rms_norm(x, delta, weight, eps=eps, interpret=kernel == "interpret")
+    if delta is not None and delta.ndim == 3:
+        delta = delta.sum(axis=0).astype(x.dtype)
+    if delta is not None:
+        x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+# Rounds of at most this many tokens run their projections through the matvec kernel: on
+# an H200 it beat XLA's GEMV at one row (8B shapes: 4.28 vs 4.60 ms per step's chain) and lost
+# at 8 and 64 rows (benchmarks/matvec_check.py).
+MATVEC_MAX_ROWS = 1
+
+
+def matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
+    """Which `project` kernel this round's projections use (see ModelConfig.decode_matmul)."""
+    if cfg.decode_matmul == "auto":
+        return "cpu" if n_tokens <= matvec_cpu.MAX_ROWS and matvec_cpu.available(cfg.dtype) else "xla"
+    if n_tokens > MATVEC_MAX_ROWS or cfg.decode_matmul == "xla":
+        return "xla"
+    if cfg.decode_matmul == "interpret":
+        return "interpret"
+    return "pallas" if kernels_available(cfg.dtype) else "xla"
+
+
+def decode_attention_kernel(cfg: ModelConfig) -> str | None:
+    """Which kernel runs decode tokens' attention (see ModelConfig.decode_attention): "pallas",
+    "interpret" (Pallas in its interpreter), "cpu" (C++), or None for the jnp reference."""
+    if cfg.decode_attention == "auto":
+        if kernels_available(cfg.dtype):
+            return "pallas"
+        return "cpu" if paged_decode_cpu.available(cfg.dtype) else None
+    return "interpret" if cfg.decode_attention == "interpret" else None
