@@ -59,12 +59,16 @@ if [[ $what == flags ]]; then
 fi
 
 # The batch-1 decode step's kernels: the Pallas kernels against their oracles at real shapes,
-# the 8B step under each XLA flag set of DECODE_FLAG_SETS ('|'-separated; the first, empty,
-# is XLA's defaults), the 135M step with and without the add + RMSNorm kernel, and where an
-# 8B step's time goes.
+# the one-token Pallas chain against XLA's path (benchmarks/chain_check.py), the 8B step under
+# each XLA flag set of DECODE_FLAG_SETS ('|'-separated; the first, empty, is XLA's defaults;
+# DECODE_8B_CASES=a_steps,amv adds the chain's step time), the 135M step with and without the
+# add + RMSNorm kernel, and where an 8B step's time goes.
 if [[ $what == decode ]]; then
   timeout 150 python3 benchmarks/paged_decode_check.py --no-layer-loop 2>&1 | grep -v "^W0\|^I0"
   [[ -n ${NORM_CHECK:-} ]] && timeout 60 python3 benchmarks/norm_check.py 2>&1 | grep -v "^W0\|^I0"
+  # The one-token Pallas chain (decode_matmul=pallas) against XLA's path in the engine.
+  timeout 120 python3 benchmarks/chain_check.py --config configs/llama3-8b.json --layers 4 2>&1 | tail -2
+  timeout 60 python3 benchmarks/chain_check.py --config configs/smollm2-135m.json --layers 30 2>&1 | tail -2
   IFS='|' read -ra sets <<< "${DECODE_FLAG_SETS:-}"
   [[ ${#sets[@]} == 0 ]] && sets=("")
   for flags in "${sets[@]}"; do
