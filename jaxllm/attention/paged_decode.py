@@ -162,7 +162,8 @@ def _decode_kernel(
     # Split 0 starts from the fresh key (exact f32 products, no tensor-core rounding); the
     # others from an empty softmax.
     f32 = jnp.float32
-    fresh_logit = ((q1.astype(f32) * k1.astype(f32)).sum(axis=1) + (q2.astype(f32) * k2.astype(f32)).sum(axis=1)) * scale
+    fresh_logit = (q1.astype(f32) * k1.astype(f32)).sum(axis=1) + (q2.astype(f32) * k2.astype(f32)).sum(axis=1)
+    fresh_logit = fresh_logit * scale
     v_fresh = load(v_new_ref, pl.ds(v_off + h, 1), pl.ds(0, head_dim)).astype(dtype)  # [1, Dh]
     if return_kv:  # split 0 of each (window, kv head) hands the cache write its k and v
         k_out, v_out = kv_out

@@ -3,7 +3,8 @@
 At batch 1 a decode step is bandwidth-bound GEMVs plus, per layer, a dozen small kernels
 (norms, RoPE, split-K sums, SiLU x up) that each cost a few us and a launch gap. Here the
 matvec kernels leave their K splits unsummed and each next kernel sums them as it loads, so a
-layer is qkv, attention + merge, o, add + norm, gate|up, down. Chosen with
+layer is eight kernels (two add + norms, qkv, attention, merge, o, gate|up, down; XLA's path
+runs ~11 with its split-K sums and SiLU x up). Chosen with
 `ModelConfig.decode_matmul = "pallas"` on unrolled dense layers (`chain_kernel`).
 """
 
@@ -63,15 +64,15 @@ def chain_layer(
     *,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
-    """`forward._layer` for a one-token decode round as a chain of Pallas kernels that hand each other
-    the matvecs' float32 split partials: no XLA kernel runs between them.
+    """`forward._layer` for a one-token decode round as a chain of Pallas kernels that hand
+    each other the matvecs' float32 split partials: no XLA kernel runs between them.
 
     The matvec kernels leave their K splits unsummed (`matvec(partials=True)`), and the next
     kernel sums them while loading: attention sums the qkv partials (and rotates q and k, and
     returns the k and v the cache write stores), the add + RMSNorm kernel sums the o and down
-    partials, the down matvec applies SwiGLU to the gate|up partials. So a layer is six
-    kernels: qkv, attention, merge, o, add + norm, gate|up, down (the next layer's first norm
-    adds the down partials). Same arithmetic as `_layer` up to the order of float32 sums.
+    partials, the down matvec applies SwiGLU to the gate|up partials. So a layer is eight
+    kernels: add + norm (adding the previous layer's down partials), qkv, attention, merge, o,
+    add + norm, gate|up, down. Same arithmetic as `_layer` up to the order of float32 sums.
     """
     a, mlp = lp.attn, lp.mlp
     norm = "interpret" if interpret else "pallas"
