@@ -49,7 +49,6 @@ LLAMA3_8B = {  # name: (K, N, layers in the chain, calls per decode step)
 }
 SMALL = {
     "qkv": (64, 96, 2, 32),
-    "gate_up": (64, 128, 2, 32),
     "down": (200, 48, 2, 32),
     "lm_head": (64, 300, 2, 1),
 }
@@ -66,12 +65,6 @@ def _next_x(y: jax.Array, K: int) -> jax.Array:
 
 def _xla(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _xla_swiglu(x: jax.Array, w: jax.Array) -> jax.Array:
-    """What the forward runs without the gated kernel: one dot, then silu(gate) * up."""
-    gate, up = jnp.split(_xla(x, w), 2, axis=1)
-    return jax.nn.silu(gate) * up
 
 
 def _chain(fn):
@@ -206,18 +199,6 @@ def main() -> int:
             print(f"{row} {err:8.1e} {peak:8.1e} {t_xla * 1e6:8.1f} {nbytes / L / t_xla / 1e9:8.0f} "
                   f"{t_ker * 1e6:8.1f} {nbytes / L / t_ker / 1e9:8.0f} {t_xla / t_ker:7.2f}  {_knobs(d)}"
                   + ("  MISMATCH" if bad else ""))
-            if name == "gate_up" and M == 1:  # SwiGLU inside the kernel against dot + silu * up
-                gated = functools.partial(kernel, gated=True)
-                g, u = jnp.split(ref, 2, axis=1)
-                err, peak = _errors(gated(x, ws[0]), jax.nn.silu(g) * u)
-                bad = not err <= tol
-                failed |= bad
-                t_xla = _seconds_per_run(_chain(_xla_swiglu), x, ws, reps=reps, inner=inner) / L
-                t_ker = _seconds_per_run(_chain(gated), x, ws, reps=reps, inner=inner) / L
-                per_call[("gated", M)] = dict(xla=t_xla, kernel=t_ker)
-                print(f"{'gated':8s} {K:6d} {N:7d} {M:3d} {L:3d} {err:8.1e} {peak:8.1e} {t_xla * 1e6:8.1f} "
-                      f"{nbytes / L / t_xla / 1e9:8.0f} {t_ker * 1e6:8.1f} {nbytes / L / t_ker / 1e9:8.0f} "
-                      f"{t_xla / t_ker:7.2f}  (SwiGLU in the kernel vs dot + silu * up)" + ("  MISMATCH" if bad else ""))
         del ws
 
     best: dict[str, float] = {}

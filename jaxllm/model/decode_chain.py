@@ -18,7 +18,7 @@ from flax import struct
 
 from jaxllm.attention.paged_decode import paged_decode_attention_qkv
 from jaxllm.config import ModelConfig
-from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, matmul_kernel
+from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, matmul_kernel, norm_kernel
 from jaxllm.model.layers import rope_inv_freq
 from jaxllm.model.matvec import matvec
 from jaxllm.params import LayerParams, MoeParams
@@ -36,18 +36,23 @@ class DecodeLookups:
     cached: jax.Array  # [W] i32 cached positions (0 for windows that do not decode)
 
 
+def raw_projection_attends(lp: LayerParams, batch: TokenBatch) -> bool:
+    """Whether decode attention can read q/k/v straight from the fused qkv projection's output
+    (rotating them itself): a decode-only round, and nothing between projection and RoPE (no
+    qkv bias, no q/k norm)."""
+    a = lp.attn
+    only_decode = batch.decode.slot.shape[0] and not batch.chunks.slot.shape[0]
+    return bool(only_decode) and a.wqkv is not None and a.bq is None and a.q_norm is None
+
+
 def chain_kernel(cfg: ModelConfig, lp: LayerParams, batch: TokenBatch) -> str | None:
     """"pallas" / "interpret" when a layer of this round runs as `chain_layer`: a
     one-token decode-only round of a dense model with fused projections (no qkv bias or q/k
     norm) where the Pallas matvec and decode attention kernels are chosen; else None."""
     mm = matmul_kernel(cfg, batch.tokens.shape[0])
-    attention = decode_attention_kernel(cfg)
-    a = lp.attn
-    if mm not in ("pallas", "interpret") or attention not in ("pallas", "interpret"):
+    if mm not in ("pallas", "interpret") or decode_attention_kernel(cfg) not in ("pallas", "interpret"):
         return None
-    if batch.chunks.slot.shape[0] or not batch.decode.slot.shape[0] or isinstance(lp.mlp, MoeParams):
-        return None
-    if a.wqkv is None or a.bq is not None or a.q_norm is not None or lp.mlp.w_gate_up is None:
+    if isinstance(lp.mlp, MoeParams) or lp.mlp.w_gate_up is None or not raw_projection_attends(lp, batch):
         return None
     return mm
 
@@ -75,8 +80,8 @@ def chain_layer(
     add + norm, gate|up, down. Same arithmetic as `_layer` up to the order of float32 sums.
     """
     a, mlp = lp.attn, lp.mlp
-    norm = "interpret" if interpret else "pallas"
     T, D = x.shape
+    norm = norm_kernel(cfg, T)  # XLA's norm (decode_norm = "xla") sums the partials itself
     x, h = add_rms_norm(x, pending, lp.attn_norm, cfg.rms_eps, kernel=norm)
     qkv = matvec(h, a.wqkv.reshape(D, -1), partials=True, interpret=interpret)
     qkv = qkv.reshape(qkv.shape[0], T, -1, cfg.head_dim)  # [S, T, H + 2K, Dh]

@@ -19,7 +19,7 @@ from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_a
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference, place_decode_rows
 from jaxllm.config import ModelConfig
 from jaxllm.model import matvec_cpu
-from jaxllm.model.decode_chain import DecodeLookups, chain_kernel, chain_layer
+from jaxllm.model.decode_chain import DecodeLookups, chain_kernel, chain_layer, raw_projection_attends
 from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, matmul_kernel, norm_kernel
 from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.params import LayerParams, MoeParams, Params
@@ -84,8 +84,8 @@ def _layer(
     if kernel is not None and batch.decode.slot.shape[0]:
         # A decode-only round hands the Pallas kernel the raw projection output: it slices and
         # rotates q and the fresh k itself (the rotated k here then feeds only the cache write).
-        raw = qkv is not None and a.bq is None and a.q_norm is None and not batch.chunks.slot.shape[0]
-        fused_input = (qkv, inv_freq) if raw and kernel != "cpu" else None
+        raw = kernel != "cpu" and raw_projection_attends(lp, batch)
+        fused_input = (qkv, inv_freq) if raw else None
         attn = _decode_kernel_attention(q, k, v, kv, layer_index, lookups, batch, kernel, fused_input)
     else:
         attn = paged_decode_reference(

@@ -86,10 +86,6 @@ def project(x: jax.Array, w: jax.Array | LayerSlice, n_contract: int = 1, *, ker
 
 def dense_mlp(x: jax.Array, p: DenseMlpParams, *, kernel: str = "xla") -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x)); x [T, D]."""
-    if p.w_gate_up is not None and kernel in ("pallas", "interpret"):
-        # The matvec kernel applies SwiGLU to both halves itself: no separate silu * up kernel.
-        hidden = matvec(x, p.w_gate_up, gated=True, interpret=kernel == "interpret")
-        return project(hidden, p.w_down, kernel=kernel)
     if p.w_gate_up is not None:  # the runtime layout: one matmul for both
         gate, up = jnp.split(project(x, p.w_gate_up, kernel=kernel), 2, axis=1)
     else:

@@ -4,9 +4,8 @@ At decode every projection reads its whole weight matrix to multiply it by a han
 rows, so a step is bound by HBM bandwidth. On an H200, a chain of the 8B decode products at
 one row took 4.60 ms with XLA's GEMV and 4.28 ms with this kernel (benchmarks/matvec_check.py;
 4.66 vs 4.37 ms on 2026-12-03). Inside the whole step it is still slower (5.18 vs 4.79 ms per
-token on 2026-12-03, with x read in place and SwiGLU fused: its split-K sums are extra
-kernels, and the gated gate|up product runs unsplit, 73.8 vs 67.5 us for XLA's dot + silu),
-so the forward uses it only on request (`ModelConfig.decode_matmul = "pallas"`). It keeps
+token on 2026-12-03, with x read in place: its split-K sums are extra kernels), so the
+forward uses it only on request (`ModelConfig.decode_matmul = "pallas"`). It keeps
 many small, coalesced, software-pipelined loads of w in flight on every SM:
 
   * grid (N block, K split): a program owns `block_n` output columns and one share of K;
@@ -21,8 +20,6 @@ many small, coalesced, software-pipelined loads of w in flight on every SM:
   * when N alone gives too few blocks to fill 132 SMs (wo, qkv, down), K is split too:
     the splits write float32 partials [split_k, M, N] that one jnp sum adds up. With one
     split the kernel writes x.dtype directly (stores masked to [M, N]: no epilogue at all);
-  * `gated` multiplies a fused [K, 2N] gate|up matrix and returns silu(gate) * up, each
-    program loading the matching blocks of both halves (one split only);
   * `partials` returns the splits' float32 products unsummed, for a consumer kernel that adds
     them as it loads (`jaxllm.model.decode_chain`), and
     `swiglu_input` takes gate|up partials as x, applying SwiGLU to each x tile it loads.
@@ -116,7 +113,7 @@ def _swiglu_tile(x_ref, mp: int, gate_cols, up_cols, mask, dtype) -> jax.Array:
 
 def _matvec_kernel(
     x_ref,  # [M, K] whole x
-    w_ref,  # [K, N] whole w ([K, 2N] gate then up columns when gated)
+    w_ref,  # [K, N] whole w
     o_ref,  # [split_k, M, N] whole output; this program stores its split's block
     *,
     K: int,
@@ -127,7 +124,6 @@ def _matvec_kernel(
     k_blocks_per_split: int,
     n_k_blocks: int,
     use_dot: bool,
-    gated: bool,
     swiglu_input: bool,
     precision: lax.Precision | None,
 ):
@@ -148,9 +144,9 @@ def _matvec_kernel(
     def row_live(k0):
         return (k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)) < K
 
-    def load_w(k0, col0):
-        """The [block_k, block_n] tile of w at rows k0.., columns col0.., zero past K and N."""
-        rows, cols = pl.ds(k0, block_k), pl.ds(col0, block_n)
+    def load_w(k0):
+        """The [block_k, block_n] tile of w at rows k0.., zero past K and N."""
+        rows, cols = pl.ds(k0, block_k), pl.ds(n0, block_n)
         if not (ragged_k or ragged_n):
             return w_ref[rows, cols]
         return plgpu.load(w_ref.at[rows, cols], mask=row_live(k0)[:, None] & col_live[None, :], other=0)
@@ -173,43 +169,34 @@ def _matvec_kernel(
     def k_start(i):
         return pl.multiple_of((first + i) * block_k, block_k)
 
-    # Gated: the same block of the gate columns [0, N) and of the up columns [N, 2N).
-    col0s = (n0, N + n0) if gated else (n0,)
     if use_dot:
 
-        def dot_body(i, accs):
+        def dot_body(i, acc):
             k0 = k_start(i)
-            x = load_x(None, k0)
-            return tuple(
-                acc + lax.dot_general(x, load_w(k0, c), (((1,), (0,)), ((), ())),
-                                      precision=precision, preferred_element_type=jnp.float32)
-                for acc, c in zip(accs, col0s)
+            return acc + lax.dot_general(
+                load_x(None, k0), load_w(k0), (((1,), (0,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
             )
 
-        accs = lax.fori_loop(0, n_iter, dot_body, tuple(jnp.zeros((mp, block_n), jnp.float32) for _ in col0s))
-    else:
-
-        def fma_body(i, accs):
-            k0 = k_start(i)
-            ws = [load_w(k0, c).astype(jnp.float32) for c in col0s]
-            xs = [load_x(m, k0).astype(jnp.float32)[:, None] for m in range(M)]
-            return tuple(accs[j * M + m] + xs[m] * ws[j] for j in range(len(col0s)) for m in range(M))
-
-        init = tuple(jnp.zeros((block_k, block_n), jnp.float32) for _ in range(M * len(col0s)))
-        sums = [a.sum(axis=0) for a in lax.fori_loop(0, n_iter, fma_body, init)]
-        for m in range(M):  # row by row: M need not be a power of two here
-            row = jax.nn.silu(sums[m]) * sums[M + m] if gated else sums[m]
-            plgpu.store(o_ref.at[s, jnp.int32(m), pl.ds(n0, block_n)], row.astype(o_ref.dtype), mask=col_live)
+        acc = lax.fori_loop(0, n_iter, dot_body, jnp.zeros((mp, block_n), jnp.float32))
+        mask = x_row_live[:, None] & col_live[None, :]
+        plgpu.store(o_ref.at[s, pl.ds(0, mp), pl.ds(n0, block_n)], acc.astype(o_ref.dtype), mask=mask)
         return
-    out = jax.nn.silu(accs[0]) * accs[1] if gated else accs[0]
-    mask = x_row_live[:, None] & col_live[None, :]
-    plgpu.store(o_ref.at[s, pl.ds(0, mp), pl.ds(n0, block_n)], out.astype(o_ref.dtype), mask=mask)
 
+    def fma_body(i, accs):
+        k0 = k_start(i)
+        w = load_w(k0).astype(jnp.float32)
+        return tuple(a + load_x(m, k0).astype(jnp.float32)[:, None] * w for m, a in enumerate(accs))
+
+    init = tuple(jnp.zeros((block_k, block_n), jnp.float32) for _ in range(M))
+    accs = lax.fori_loop(0, n_iter, fma_body, init)
+    for m, acc in enumerate(accs):  # row by row: M need not be a power of two here
+        plgpu.store(o_ref.at[s, jnp.int32(m), pl.ds(n0, block_n)], acc.sum(axis=0).astype(o_ref.dtype), mask=col_live)
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "interpret", "block_n", "block_k", "split_k", "use_dot", "num_warps", "num_stages", "gated", "partials",
+        "interpret", "block_n", "block_k", "split_k", "use_dot", "num_warps", "num_stages", "partials",
         "swiglu_input",
     ),
 )
@@ -224,7 +211,6 @@ def matvec(
     use_dot: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-    gated: bool = False,
     partials: bool = False,
     swiglu_input: bool = False,
 ) -> jax.Array:
@@ -243,8 +229,6 @@ def matvec(
       use_dot: tensor-core dot on x padded to 16 rows (the default), else per-row float32
         FMA accumulators reduced after the loop (M accumulators: for M of 1 or 2).
       num_warps, num_stages: Triton launch parameters.
-      gated: w is a fused [K, 2N] gate-and-up matrix; returns silu(x @ gate) * (x @ up),
-        the SwiGLU hidden state, in one kernel (no split of K: the product is not linear).
       partials: return the splits' float32 partial products [split_k, M, N] unsummed, for a
         consumer that sums them while loading (no separate sum kernel).
       swiglu_input: x is such partials [S, M, 2K] of a gate|up product, and the kernel
@@ -255,14 +239,12 @@ def matvec(
       `swiglu_input`). float32 inputs use full-precision products (no TF32).
     """
     if swiglu_input:
-        if gated or use_dot is False:
-            raise ValueError("swiglu_input runs in dot mode and without gated")
+        if use_dot is False:
+            raise ValueError("swiglu_input runs in dot mode")
         (M, K), x_in, result_dtype = (x.shape[1], x.shape[2] // 2), x, w.dtype
     else:
         (M, K), x_in, result_dtype = x.shape, x.astype(w.dtype), x.dtype
     K_w, N = w.shape
-    if gated:
-        N //= 2
     if K_w != K:
         raise ValueError(f"x is [M, {K}] but w is [{K_w}, N]")
     if jnp.dtype(w.dtype).itemsize == 1:
@@ -278,7 +260,7 @@ def matvec(
     n_n_blocks = -(-N // block_n)
     if split_k is None:
         split_k = _pick_split(n_k_blocks, n_n_blocks)
-    split_k = 1 if gated else max(1, min(split_k, n_k_blocks))
+    split_k = max(1, min(split_k, n_k_blocks))
     k_blocks_per_split = -(-n_k_blocks // split_k)
     split_k = -(-n_k_blocks // k_blocks_per_split)  # no split left without work
 
@@ -296,7 +278,6 @@ def matvec(
         k_blocks_per_split=k_blocks_per_split,
         n_k_blocks=n_k_blocks,
         use_dot=use_dot,
-        gated=gated,
         swiglu_input=swiglu_input,
         precision=precision,
     )
@@ -311,7 +292,7 @@ def matvec(
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=params,
-        name="matvec_gated" if gated else "matvec",
+        name="matvec",
     )(x_in, w)
     if partials:
         return out

@@ -100,18 +100,6 @@ def test_available_only_on_gpu():
     assert kernels_available("bfloat16") is False  # CI runs on CPU
 
 
-@pytest.mark.parametrize("M,K,N,block_n,use_dot", [(1, 64, 48, 16, True), (1, 100, 70, 32, True), (2, 96, 40, 16, False)])
-def test_gated_is_swiglu_of_both_halves(M, K, N, block_n, use_dot):
-    """gated=True on a fused [K, 2N] gate|up matrix is silu(x @ gate) * (x @ up)."""
-    x, w = _inputs(M + K + N, M, K, 2 * N)
-    ours = matvec(jnp.asarray(x), jnp.asarray(w), interpret=True, block_k=16, block_n=block_n, use_dot=use_dot, gated=True)
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    gate, up = x64 @ w64[:, :N], x64 @ w64[:, N:]
-    ref = gate / (1 + np.exp(-gate)) * up
-    assert ours.shape == (M, N)
-    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
-
-
 def test_partials_sum_to_the_product():
     """partials=True returns the splits' float32 products unsummed; they add up to x @ w."""
     x, w = _inputs(5, 1, 96, 40)
