@@ -64,7 +64,7 @@ fi
 # DECODE_8B_CASES=a_steps,amv adds the chain's step time), the 135M step with and without the
 # add + RMSNorm kernel, and where an 8B step's time goes.
 if [[ $what == decode ]]; then
-  timeout 150 python3 benchmarks/paged_decode_check.py --no-layer-loop 2>&1 | grep -v "^W0\|^I0"
+  [[ ${KERNEL_CHECKS:-1} == 1 ]] && timeout 150 python3 benchmarks/paged_decode_check.py --no-layer-loop 2>&1 | grep -v "^W0\|^I0"
   [[ -n ${NORM_CHECK:-} ]] && timeout 60 python3 benchmarks/norm_check.py 2>&1 | grep -v "^W0\|^I0"
   # The one-token Pallas chain (decode_matmul=pallas) against XLA's path in the engine.
   timeout 120 python3 benchmarks/chain_check.py --config configs/llama3-8b.json --layers 4 2>&1 | tail -2
@@ -76,10 +76,12 @@ if [[ $what == decode ]]; then
       --steps 8 2>&1 | grep -E "^A |Error|error:" | sed "s/^/8B bf16 [$flags] /"
   done
   for dt in float32 bfloat16; do
-    timeout 60 python3 benchmarks/gpu_engine.py --config configs/smollm2-135m.json --dtype $dt --cases a_steps,anorm --steps 16 2>&1 \
+    timeout 60 python3 benchmarks/gpu_engine.py --config configs/smollm2-135m.json --dtype $dt --cases ${DECODE_135M_CASES:-a_steps,anorm} --steps 16 2>&1 \
       | grep -E "^A |Error|error:" | sed "s/^/135M $dt /"
   done
-  timeout 90 python3 benchmarks/profile_step.py --config configs/llama3-8b.json --dtype bfloat16 --steps 8 --calls 2 --top 25 \
-    --out "$out/profile-8b" 2>&1 | grep -v "^W0\|^I0"
+  for mm in ${PROFILE_MATMULS:-auto}; do  # PROFILE_MATMULS="auto pallas" also profiles the chain
+    timeout 90 python3 benchmarks/profile_step.py --config configs/llama3-8b.json --dtype bfloat16 --steps 8 --calls 2 --top 25 \
+      --decode-matmul $mm --out "$out/profile-8b-$mm" 2>&1 | grep -v "^W0\|^I0"
+  done
   rm -rf "$out"/profile-*/raw
 fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -57,9 +58,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=4, help="traced decode calls")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default="/tmp/jaxllm-profile")
+    ap.add_argument("--decode-matmul", default="auto", choices=["auto", "xla", "pallas"],
+                    help="pallas: the matvec kernel's projections (the one-token Pallas chain)")
     args = ap.parse_args()
 
     cfg = load_config_json(args.config, dtype=args.dtype, scan_layers=False)
+    cfg = dataclasses.replace(cfg, decode_matmul=args.decode_matmul)
     params = layout_params(dummy_params(cfg), cfg.scan_layers)
     eng = engine_for(cfg, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
     prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
