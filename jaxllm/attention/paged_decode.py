@@ -120,7 +120,9 @@ def _decode_kernel(
         if len(ref.shape) == 3:
             return ref[w, rows, cols] if mask is None else plgpu.load(ref.at[w, rows, cols], mask=mask, other=0)
         # int32 split indices, not Python ints: the interpreter's masked load wants shaped ones.
-        parts = [plgpu.load(ref.at[jnp.int32(i), w, rows, cols], mask=mask, other=0) for i in range(ref.shape[0])]
+        # Triton takes `other` only with a mask.
+        fill = {} if mask is None else {"mask": mask, "other": 0}
+        parts = [plgpu.load(ref.at[jnp.int32(i), w, rows, cols], **fill) for i in range(ref.shape[0])]
         return functools.reduce(jnp.add, parts).astype(dtype)
 
     q1 = load(q_ref, q_rows, pl.ds(0, half), q_live)
