@@ -137,16 +137,17 @@ def main() -> None:
     costs = model_costs(cfg, params)
     rng = np.random.default_rng(0)
 
-    # (steps per call, decode attention, decode matmul, fused projections, decode norm)
-    runs = [(steps, "auto", "xla", True, "auto") for steps in sorted({1, args.steps})] if "a" in cases else []
-    runs += [(args.steps, "auto", "xla", True, "auto")] if "a_steps" in cases else []  # "a" without the 1-step call
-    runs += [(args.steps, "reference", "xla", True, "auto")] if "aref" in cases else []  # before the Pallas decode kernel
-    runs += [(args.steps, "auto", "pallas", True, "auto")] if "amv" in cases else []  # the matvec kernel's projections
-    runs += [(args.steps, "auto", "xla", False, "auto")] if "a_unfused" in cases else []  # one matmul per projection
-    runs += [(args.steps, "auto", "xla", True, "xla")] if "anorm" in cases else []  # XLA's norms, not the kernel's
-    for steps, attention, matmul, fused, norm in runs:
+    # (steps per call, decode attention, decode matmul, fused projections, decode norm, sampler branches)
+    runs = [(steps, "auto", "xla", True, "auto", "auto") for steps in sorted({1, args.steps})] if "a" in cases else []
+    runs += [(args.steps, "auto", "xla", True, "auto", "auto")] if "a_steps" in cases else []  # "a" without the 1-step call
+    runs += [(args.steps, "reference", "xla", True, "auto", "auto")] if "aref" in cases else []  # before the Pallas decode kernel
+    runs += [(args.steps, "auto", "pallas", True, "auto", "auto")] if "amv" in cases else []  # the matvec kernel's projections
+    runs += [(args.steps, "auto", "xla", False, "auto", "auto")] if "a_unfused" in cases else []  # one matmul per projection
+    runs += [(args.steps, "auto", "xla", True, "xla", "auto")] if "anorm" in cases else []  # XLA's norms, not the kernel's
+    runs += [(args.steps, "auto", "xla", True, "auto", "cond")] if "acond" in cases else []  # the sampler's lax.conds
+    for steps, attention, matmul, fused, norm, branches in runs:
         run_params = params if fused else unfuse_projections(params)
-        run_cfg = cfg.replace(decode_attention=attention, decode_matmul=matmul, decode_norm=norm)
+        run_cfg = cfg.replace(decode_attention=attention, decode_matmul=matmul, decode_norm=norm, sampler_branches=branches)
         eng = engine_for(run_cfg, run_params, slots=1, max_seq_len=2048, chunk=1024, steps=steps, unroll=args.unroll_steps)
         t = time.perf_counter()
         prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
@@ -157,6 +158,7 @@ def main() -> None:
         tag = f"steps{steps}" + ("" if attention == "auto" else f"_{attention}") + ("" if matmul == "xla" else f"_{matmul}")
         tag += "" if fused else "_unfused"
         tag += "" if norm == "auto" else f"_norm_{norm}"
+        tag += "" if branches == "auto" else f"_sampler_{branches}"
         tag += f"_unroll{eng.config.decode_unroll}" if eng.config.decode_unroll > 1 else ""
         results[f"a_decode_ms_b1_ctx1k_{tag}"] = step_s * 1e3
         results[f"a_mbu_{tag}"] = bytes_step / step_s / 4.3e12

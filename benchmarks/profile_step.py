@@ -60,10 +60,11 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/jaxllm-profile")
     ap.add_argument("--decode-matmul", default="auto", choices=["auto", "xla", "pallas"],
                     help="pallas: the matvec kernel's projections (the one-token Pallas chain)")
+    ap.add_argument("--sampler-branches", default="auto", choices=["auto", "cond", "select"])
     args = ap.parse_args()
 
     cfg = load_config_json(args.config, dtype=args.dtype, scan_layers=False)
-    cfg = dataclasses.replace(cfg, decode_matmul=args.decode_matmul)
+    cfg = dataclasses.replace(cfg, decode_matmul=args.decode_matmul, sampler_branches=args.sampler_branches)
     params = layout_params(dummy_params(cfg), cfg.scan_layers)
     eng = engine_for(cfg, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
     prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)

@@ -74,6 +74,13 @@ class ModelConfig:
     # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
     # always XLA's; "interpret" the Pallas kernel in its interpreter (CPU tests of the wiring).
     decode_norm: str = "auto"
+    # The sampler's optional parts (random draws, top-k/top-p/min-p filter, top logprobs,
+    # grammar mask): "cond" runs each only when some row needs it (`lax.cond`); "select"
+    # always runs them and selects the results. On the GPU every conditional makes the host
+    # wait for the device to read its predicate, so within a multi-step decode call the host
+    # cannot queue the next step's launch while the device runs this one; "auto" is "select"
+    # where the default backend is a GPU, "cond" elsewhere.
+    sampler_branches: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_attention not in ("auto", "reference", "interpret"):
@@ -82,6 +89,8 @@ class ModelConfig:
             raise ValueError(f"decode_matmul must be auto, xla, pallas or interpret, got {self.decode_matmul!r}")
         if self.decode_norm not in ("auto", "xla", "interpret"):
             raise ValueError(f"decode_norm must be auto, xla or interpret, got {self.decode_norm!r}")
+        if self.sampler_branches not in ("auto", "cond", "select"):
+            raise ValueError(f"sampler_branches must be auto, cond or select, got {self.sampler_branches!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:

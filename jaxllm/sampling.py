@@ -147,6 +147,11 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: j
     return scaled >= cutoff
 
 
+def _select_cond(pred: jax.Array, true_fn, false_fn):
+    """`lax.cond` without the branch: both sides run and `pred` selects (no host sync)."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(), false_fn())
+
+
 def sample(
     logits: jax.Array,
     s: SlotSampling,
@@ -158,6 +163,7 @@ def sample(
     *,
     token_mask: jax.Array | None = None,
     constrained: jax.Array | None = None,
+    branches: str = "cond",
 ) -> Sampled:
     """Draws one token per slot.
 
@@ -168,10 +174,13 @@ def sample(
       want_top: [] bool, whether any slot asked for top logprobs this round.
       token_mask: [B, ceil(V/32)] u32 allowed-token bits (bit v%32 of word v//32).
       constrained: [B] bool, rows where `token_mask` applies.
+      branches: "cond" skips the parts no row needs (`lax.cond`); "select" runs every part
+        and selects (same results; see ModelConfig.sampler_branches).
     """
+    cond = jax.lax.cond if branches == "cond" else _select_cond
     processed = process_logits(logits, s, seen, out_counts, n_generated)
     if token_mask is not None:
-        processed = jax.lax.cond(
+        processed = cond(
             jnp.any(constrained), lambda: apply_token_mask(processed, token_mask, constrained), lambda: processed
         )
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
@@ -180,7 +189,7 @@ def sample(
     def draw() -> jax.Array:
         scaled = processed / jnp.where(is_sampled, s.temperature, 1.0)[:, None]
         needs_filter = jnp.any(is_sampled & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)))
-        keep = jax.lax.cond(
+        keep = cond(
             needs_filter,
             lambda: jax.vmap(_filter_mask)(scaled, s.top_k, s.top_p, s.min_p),
             lambda: jnp.ones_like(scaled, bool),
@@ -190,12 +199,12 @@ def sample(
         drawn = jnp.argmax(jnp.where(keep, scaled + noise, _NEG), axis=-1).astype(jnp.int32)
         return jnp.where(is_sampled, drawn, greedy)
 
-    tokens = jax.lax.cond(jnp.any(is_sampled), draw, lambda: greedy)
+    tokens = cond(jnp.any(is_sampled), draw, lambda: greedy)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     B, V = logits.shape
     n_top = min(MAX_TOP_LOGPROBS, V)
-    top_lp, top_ids = jax.lax.cond(
+    top_lp, top_ids = cond(
         want_top,
         lambda: tuple(jax.lax.top_k(logprobs, n_top)),
         lambda: (jnp.zeros((B, n_top), jnp.float32), jnp.zeros((B, n_top), jnp.int32)),

@@ -21,7 +21,7 @@ from flax import struct
 from jaxllm.attention.reference import Windows
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import TokenBatch, forward, lm_head
-from jaxllm.model.kernel_choice import matmul_kernel
+from jaxllm.model.kernel_choice import matmul_kernel, sampler_branches
 from jaxllm.params import Params
 from jaxllm.sampling import sample
 from jaxllm.state import DecodeState, KVCache, SeqCheckpoint, SlotSampling, StateLayout, init_state
@@ -124,7 +124,7 @@ def _round(
     logits = lm_head(params, hidden[sample_row], kernel=matmul_kernel(cfg, B))
     draw = sample(
         logits, state.sampling, seen, state.out_counts, state.n_generated, lengths, inputs.want_top,
-        token_mask=inputs.token_mask, constrained=inputs.constrained,
+        token_mask=inputs.token_mask, constrained=inputs.constrained, branches=sampler_branches(cfg),
     )
     tokens = jnp.where(sampled, draw.tokens, state.last_token)
     n_generated = state.n_generated + sampled

@@ -68,3 +68,11 @@ def decode_attention_kernel(cfg: ModelConfig) -> str | None:
             return "pallas"
         return "cpu" if paged_decode_cpu.available(cfg.dtype) else None
     return "interpret" if cfg.decode_attention == "interpret" else None
+
+
+def sampler_branches(cfg: ModelConfig) -> str:
+    """How the sampler's optional parts run (see ModelConfig.sampler_branches): "select"
+    (always computed, no host sync) on a GPU, "cond" elsewhere, unless the config says."""
+    if cfg.sampler_branches != "auto":
+        return cfg.sampler_branches
+    return "select" if jax.default_backend() == "gpu" else "cond"

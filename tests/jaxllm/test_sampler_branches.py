@@ -1,0 +1,76 @@
+"""The branch-free sampler (every optional part computed, results selected: what the GPU runs
+so the host never waits inside a multi-step call) draws exactly what the branched one does,
+and both agree with numpy on the parts numpy can state directly."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample, sampling_row
+
+V = 300
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+FILTERED = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, seed=11, max_tokens=8)
+PLAIN_DRAW = SamplingParams(temperature=1.3, seed=5, max_tokens=8)
+MIN_P = SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=8)
+
+CASES = {
+    "greedy only": ([GREEDY, GREEDY], False, None),
+    "greedy with top logprobs": ([GREEDY, GREEDY], True, None),
+    "mixed rows": ([GREEDY, FILTERED, PLAIN_DRAW, MIN_P], True, None),
+    "sampled without filters": ([PLAIN_DRAW, GREEDY], False, None),
+    "constrained rows": ([FILTERED, GREEDY, PLAIN_DRAW], False, [True, True, False]),
+}
+
+
+def _rows(params: list[SamplingParams]):
+    rows = [sampling_row(p, V, {0}, np.uint32(p.seed or 0)) for p in params]
+    return jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *rows)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_select_sampler_draws_what_the_branched_one_does(case):
+    params, want_top, constrained = CASES[case]
+    B = len(params)
+    logits = jax.random.normal(jax.random.PRNGKey(len(case)), (B, V), jnp.float32) * 4
+    rng = np.random.default_rng(0)
+    seen = jnp.asarray(rng.random((B, V)) < 0.1)
+    out_counts = jnp.asarray(rng.integers(0, 3, (B, V)) * (rng.random((B, V)) < 0.05), jnp.float32)
+    kwargs = {}
+    if constrained is not None:
+        bits = rng.integers(0, 2**32, (B, -(-V // 32)), dtype=np.uint64).astype(np.uint32)
+        kwargs = dict(token_mask=jnp.asarray(bits), constrained=jnp.asarray(constrained))
+    args = (logits, _rows(params), seen, out_counts, jnp.zeros((B,), jnp.int32), jnp.full((B,), 17, jnp.int32),
+            jnp.bool_(want_top))
+    results = {
+        branches: jax.jit(lambda *a, b=branches: sample(*a, branches=b, **kwargs))(*args)
+        for branches in ("cond", "select")
+    }
+    branched, selected = results["cond"], results["select"]
+    np.testing.assert_array_equal(selected.tokens, branched.tokens)
+    np.testing.assert_array_equal(selected.logprob, branched.logprob)
+    np.testing.assert_array_equal(selected.top_ids, branched.top_ids)
+    np.testing.assert_array_equal(selected.top_logprobs, branched.top_logprobs)
+
+    # Independent of both: greedy rows take numpy's argmax, the chosen logprob is numpy's
+    # log-softmax at the token, and top logprobs are numpy's largest ones (or zeros when no
+    # row asked for them).
+    x = np.asarray(logits, np.float64)
+    log_probs = x - x.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    tokens = np.asarray(selected.tokens)
+    np.testing.assert_allclose(selected.logprob, log_probs[np.arange(B), tokens], atol=1e-5)
+    for row, p in enumerate(params):
+        if p.temperature == 0 and not (constrained and constrained[row]):
+            assert tokens[row] == int(np.argmax(x[row]))  # no penalties asked: the raw logits
+        if constrained and constrained[row]:
+            word = int(np.asarray(kwargs["token_mask"])[row, tokens[row] // 32])
+            assert (word >> int(tokens[row] % 32)) & 1, "a constrained row drew a token its mask forbids"
+    if want_top:
+        expected = -np.sort(-log_probs, axis=-1)[:, :MAX_TOP_LOGPROBS]
+        np.testing.assert_allclose(selected.top_logprobs, expected, atol=1e-5)
+    else:
+        assert not np.asarray(selected.top_logprobs).any()
