@@ -74,12 +74,13 @@ class ModelConfig:
     # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
     # always XLA's; "interpret" the Pallas kernel in its interpreter (CPU tests of the wiring).
     decode_norm: str = "auto"
-    # The sampler's optional parts (random draws, top-k/top-p/min-p filter, top logprobs,
-    # grammar mask): "cond" runs each only when some row needs it (`lax.cond`); "select"
-    # always runs them and selects the results. On the GPU every conditional makes the host
-    # wait for the device to read its predicate, so within a multi-step decode call the host
-    # cannot queue the next step's launch while the device runs this one; "auto" is "select"
-    # where the default backend is a GPU, "cond" elsewhere.
+    # The sampler's cheap optional parts (random draws, grammar mask): "cond" runs each only
+    # when some row needs it (`lax.cond`); "select" always runs them and selects the results.
+    # On the GPU every conditional makes the host wait for the device to read its predicate,
+    # so within a multi-step decode call the host cannot queue the next step's launch while
+    # the device runs this one; "auto" is "select" where the default backend is a GPU, "cond"
+    # elsewhere (a CPU pays for every random draw). The costly parts (filters, top logprobs)
+    # are compiled out of decode calls whose requests need neither (`sample`'s `full`).
     sampler_branches: str = "auto"
 
     def __post_init__(self) -> None:

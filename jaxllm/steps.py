@@ -88,6 +88,7 @@ def _round(
     chunk_len: int,
     n_ctx_pages: int,
     decode_width: int,
+    full_sampler: bool = True,
 ) -> tuple[DecodeState, StepOutput]:
     B = state.lengths.shape[0]
     Wd = decode_width  # the decode part covers slots [0, Wd): idle slots past it cost nothing
@@ -125,6 +126,7 @@ def _round(
     draw = sample(
         logits, state.sampling, seen, state.out_counts, state.n_generated, lengths, inputs.want_top,
         token_mask=inputs.token_mask, constrained=inputs.constrained, branches=sampler_branches(cfg),
+        full=full_sampler,
     )
     tokens = jnp.where(sampled, draw.tokens, state.last_token)
     n_generated = state.n_generated + sampled
@@ -175,7 +177,9 @@ def step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width", "unroll"), donate_argnames=("state",)
+    jax.jit,
+    static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width", "unroll", "full_sampler"),
+    donate_argnames=("state",),
 )
 def decode_steps(
     params: Params,
@@ -187,12 +191,16 @@ def decode_steps(
     n_ctx_pages: int,
     decode_width: int,
     unroll: int = 1,
+    full_sampler: bool = True,
 ) -> tuple[DecodeState, StepOutput]:
     """`n_steps` decode-only rounds in one call; outputs stacked on a leading [n_steps] axis.
 
     A constrained slot takes only the first step: its next mask needs the host to see the
     token it just drew. `unroll` steps are laid out straight in each loop iteration
     (`lax.scan`'s unroll; n_steps = no loop at all): fewer loop iterations, longer compiles.
+    `full_sampler=False` leaves the sampler's filters and top logprobs out (for calls whose
+    requests need neither, `jaxllm.sampling.needs_full_sampler`): on the GPU such a call has
+    no conditional, so the host queues step after step without waiting for the device.
     """
     chunk = empty_chunk(state.lengths.shape[0])
     later = inputs.replace(decode_mask=inputs.decode_mask & ~inputs.constrained)
@@ -200,7 +208,8 @@ def decode_steps(
     def body(state, first):
         step_inputs = jax.tree.map(lambda a, b: jnp.where(first, a, b), inputs, later)
         return _round(
-            params, state, step_inputs, chunk, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages, decode_width=decode_width
+            params, state, step_inputs, chunk, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages, decode_width=decode_width,
+            full_sampler=full_sampler,
         )
 
     return jax.lax.scan(body, state, jnp.arange(n_steps) == 0, unroll=unroll)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample, sampling_row
+from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams, needs_full_sampler, sample, sampling_row
 
 V = 300
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -23,6 +23,7 @@ CASES = {
     "mixed rows": ([GREEDY, FILTERED, PLAIN_DRAW, MIN_P], True, None),
     "sampled without filters": ([PLAIN_DRAW, GREEDY], False, None),
     "constrained rows": ([FILTERED, GREEDY, PLAIN_DRAW], False, [True, True, False]),
+    "constrained rows, no filter": ([PLAIN_DRAW, GREEDY, PLAIN_DRAW], False, [True, True, False]),
 }
 
 
@@ -45,15 +46,19 @@ def test_select_sampler_draws_what_the_branched_one_does(case):
         kwargs = dict(token_mask=jnp.asarray(bits), constrained=jnp.asarray(constrained))
     args = (logits, _rows(params), seen, out_counts, jnp.zeros((B,), jnp.int32), jnp.full((B,), 17, jnp.int32),
             jnp.bool_(want_top))
+    # Without filters or top logprobs asked, the plain sampler (those parts compiled out)
+    # must draw the same too.
+    plain_ok = not want_top and not any(needs_full_sampler(p) for p in params)
     results = {
-        branches: jax.jit(lambda *a, b=branches: sample(*a, branches=b, **kwargs))(*args)
-        for branches in ("cond", "select")
+        (branches, full): jax.jit(lambda *a, b=branches, f=full: sample(*a, branches=b, full=f, **kwargs))(*args)
+        for branches in ("cond", "select") for full in ((True, False) if plain_ok else (True,))
     }
-    branched, selected = results["cond"], results["select"]
-    np.testing.assert_array_equal(selected.tokens, branched.tokens)
-    np.testing.assert_array_equal(selected.logprob, branched.logprob)
-    np.testing.assert_array_equal(selected.top_ids, branched.top_ids)
-    np.testing.assert_array_equal(selected.top_logprobs, branched.top_logprobs)
+    branched, selected = results["cond", True], results["select", True]
+    for other in results.values():
+        np.testing.assert_array_equal(other.tokens, branched.tokens)
+        np.testing.assert_array_equal(other.logprob, branched.logprob)
+        np.testing.assert_array_equal(other.top_ids, branched.top_ids)
+        np.testing.assert_array_equal(other.top_logprobs, branched.top_logprobs)
 
     # Independent of both: greedy rows take numpy's argmax, the chosen logprob is numpy's
     # log-softmax at the token, and top logprobs are numpy's largest ones (or zeros when no
@@ -105,3 +110,46 @@ def test_engine_with_the_select_sampler_generates_the_same():
         results[branches] = [(s.generated, s.logprobs, s.top_logprobs) for s in seqs]
     assert results["select"] == results["cond"]
     assert len(set(results["select"][1][0])) > 2  # the sampled row really sampled
+
+
+def test_plain_decode_calls_draw_what_full_ones_do():
+    """Decode calls whose requests need no filter and no top logprobs compile those parts
+    out; a request draws the same tokens and logprobs whether its neighbour forces the full
+    sampler (top logprobs) or not."""
+    from jaxllm.config import ModelConfig
+    from jaxllm.engine import Engine, EngineConfig
+    from jaxllm.loading.dummy import dummy_params
+
+    cfg = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                      ffn_dim=64, max_position=256, sampler_branches="select")
+    params = jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, dummy_params(cfg, seed=1))
+    plain = [
+        ([5, 9, 33, 2], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=True)),
+        ([3] * 11, SamplingParams(temperature=1.1, repetition_penalty=1.2, seed=9, max_tokens=9, ignore_eos=True)),
+    ]
+    forcing = ([7, 7, 1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, top_logprobs=2))
+    results, calls = {}, {}
+    for neighbour in (False, True):
+        config = EngineConfig(max_slots=4, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 16), min_ctx_pages=2,
+                              decode_steps_per_call=4, decode_widths=(4,))
+        engine = Engine(cfg, params, eos_ids=[0], config=config)
+        engine.warmup()
+        seen = []
+
+        class Recording(dict):  # notes which compiled variant each round asks for
+            def get(self, key, default=None):
+                seen.append(key)
+                return super().get(key, default)
+
+        engine._compiled = Recording(engine._compiled)
+        seqs = [engine.add(prompt, p) for prompt, p in plain + ([forcing] if neighbour else [])]
+        while any(s.finish_reason is None for s in seqs):
+            engine.step()
+        results[neighbour] = [(s.generated, s.logprobs) for s in seqs[: len(plain)]]
+        calls[neighbour] = {key[-1] for key in seen if key[0] == "decode"}
+    # Prompts are packed differently with the neighbour, so logprobs may differ in the last bits.
+    for (tokens, logprobs), (tokens_ref, logprobs_ref) in zip(results[True], results[False]):
+        assert tokens == tokens_ref
+        np.testing.assert_allclose(logprobs, logprobs_ref, atol=1e-5)
+    assert calls == {False: {False}, True: {True}}  # plain calls alone, then full calls only
+    assert len(set(results[False][1][0])) > 2
