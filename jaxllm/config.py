@@ -68,7 +68,10 @@ class ModelConfig:
     # (jaxllm.model.decode_chain); "interpret" runs those kernels in the Pallas interpreter
     # (CPU tests of the wiring).
     # On the GPU "auto" is XLA's because in the 8B step on an H200 the Pallas kernel measured
-    # slower (5.18 vs 4.79 ms per token) although alone its chain beat XLA's (4.37 vs 4.66 ms).
+    # slower (5.18 vs 4.79 ms per token) although alone its chain beat XLA's (4.37 vs 4.66 ms);
+    # the one-token chain measured 6.61-6.90 ms against 4.61-4.74 (its down product, fed the
+    # gate|up partials through SwiGLU, took 84 us per layer against XLA's 29; its add + RMSNorm
+    # kernels summing 14-16 split partials in one program, 8-9 us each: docs/benchmarks.md).
     decode_matmul: str = "auto"
     # Residual add + RMSNorm of rounds of up to 64 tokens: "auto" runs the Pallas kernel
     # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
