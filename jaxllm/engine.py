@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxllm import steps
 from jaxllm.config import ModelConfig
+from jaxllm.model.kernel_choice import plain_sampler_pays
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingParams, needs_full_sampler, sampling_row, seed_to_u32
 from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row, pages_bucket
@@ -327,7 +328,8 @@ class Engine:
                 out.append((("step", chunk_len, ctx, width), lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width:
                             steps.step.lower(self.params, self.state, idle, self._idle_chunk(size), cfg=self.cfg,
                                              chunk_len=chunk_len, n_ctx_pages=ctx, decode_width=width)))
-            for full in (True, False) if n > 1 else ():
+            samplers = (True, False) if plain_sampler_pays(self.cfg) else (True,)
+            for full in samplers if n > 1 else ():
                 out.append((("decode", n, ctx, width, full), lambda ctx=ctx, width=width, full=full:
                             steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, n_steps=n,
                                                      n_ctx_pages=ctx, decode_width=width,
@@ -415,7 +417,7 @@ class Engine:
                 s.dispatched += 1 if s.constraint is not None else n
             width = self._decode_width(decoding)
             # Slots that are not decoding draw nothing, so only the decoding ones decide.
-            full = any(needs_full_sampler(s.params) for s in decoding)
+            full = not plain_sampler_pays(self.cfg) or any(needs_full_sampler(s.params) for s in decoding)
             compiled = self._compiled.get(("decode", n, ctx, width, full))
             if compiled is not None:
                 self.state, out = compiled(self.params, self.state, inputs)

@@ -150,13 +150,9 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: j
 def _filter_rows(scaled: jax.Array, s: SlotSampling, filters: jax.Array) -> jax.Array:
     """[B, V] allowed ids: `_filter_mask` on the rows that filter, everything elsewhere (a
     row without filters keeps its whole vocabulary whatever its neighbours ask; through the
-    filter with top_p = 1 a peaked row could lose its float32 tail).
-
-    Every row is sorted (~10 ms per row of 49k ids on a CPU core). Skipping the rows that do
-    not filter with a `lax.cond` per row inside `lax.map` was faster on the CPU (100 top-p
-    tokens from the default model 12.1 -> 5.1 s) but crashed jax 0.10's CPU compilation cache
-    while writing the executable (a segfault in `put_executable_and_time`, CI run of 13:50 UTC
-    2026-12-03), so it is not used."""
+    filter with top_p = 1 a peaked row could lose its float32 tail). Every row is still sorted:
+    a `lax.cond` per row inside `lax.map` would skip the others (on a CPU, ~10 ms per row of
+    49k ids) but crashed jax 0.10's CPU compilation cache when it wrote the executable."""
     return jax.vmap(_filter_mask)(scaled, s.top_k, s.top_p, s.min_p) | ~filters[:, None]
 
 

@@ -76,3 +76,11 @@ def sampler_branches(cfg: ModelConfig) -> str:
     if cfg.sampler_branches != "auto":
         return cfg.sampler_branches
     return "select" if jax.default_backend() == "gpu" else "cond"
+
+
+def plain_sampler_pays(cfg: ModelConfig) -> bool:
+    """Whether decode calls get a plain-sampler variant (`steps.decode_steps(full_sampler=
+    False)`): with "select" branches (GPU) it is the variant without any conditional, so the
+    host never waits mid-call; with `lax.cond` (CPU) the parts it leaves out already cost
+    nothing when unused, and the variant would only add compile time at start-up."""
+    return sampler_branches(cfg) == "select"

@@ -9,7 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams, needs_full_sampler, sample, sampling_row
+from jaxllm.config import ModelConfig
+from jaxllm.engine import Engine, EngineConfig
+from jaxllm.loading.dummy import dummy_params
+from jaxllm.sampling import (
+    MAX_TOP_LOGPROBS, SamplingParams, _filter_mask, _filter_rows, needs_full_sampler, sample, sampling_row,
+)
 
 V = 300
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -25,6 +30,29 @@ CASES = {
     "constrained rows": ([FILTERED, GREEDY, PLAIN_DRAW], False, [True, True, False]),
     "constrained rows, no filter": ([PLAIN_DRAW, GREEDY, PLAIN_DRAW], False, [True, True, False]),
 }
+
+
+TINY = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                   ffn_dim=64, max_position=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    # Larger weights than the loader's default so the distribution is not near uniform.
+    return jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, dummy_params(TINY, seed=1))
+
+
+def _tiny_engine(params, branches: str) -> Engine:
+    config = EngineConfig(max_slots=4, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 16), min_ctx_pages=2,
+                          decode_steps_per_call=4, decode_widths=(4,))
+    return Engine(TINY.replace(sampler_branches=branches), params, eos_ids=[0], config=config)
+
+
+def _run(engine: Engine, requests) -> list:
+    seqs = [engine.add(prompt, p) for prompt, p in requests]
+    while any(s.finish_reason is None for s in seqs):
+        engine.step()
+    return seqs
 
 
 def _rows(params: list[SamplingParams]):
@@ -81,17 +109,10 @@ def test_select_sampler_draws_what_the_branched_one_does(case):
         assert not np.asarray(selected.top_logprobs).any()
 
 
-def test_engine_with_the_select_sampler_generates_the_same():
+def test_engine_with_the_select_sampler_generates_the_same(tiny_params):
     """Wiring: the GPU's branch-free sampler inside the real multi-step decode call gives the
     same tokens, logprobs and top logprobs as the branched one, for a batch mixing greedy,
     filtered, penalised and top-logprob requests."""
-    from jaxllm.config import ModelConfig
-    from jaxllm.engine import Engine, EngineConfig
-    from jaxllm.loading.dummy import dummy_params
-
-    cfg = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                      ffn_dim=64, max_position=256)
-    params = jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, dummy_params(cfg, seed=1))
     requests = [
         ([5, 9, 33, 2], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, top_logprobs=4)),
         ([7, 7, 1], SamplingParams(temperature=0.8, top_k=5, top_p=0.5, seed=2, max_tokens=9, ignore_eos=True,
@@ -101,28 +122,16 @@ def test_engine_with_the_select_sampler_generates_the_same():
     ]
     results = {}
     for branches in ("cond", "select"):
-        config = EngineConfig(max_slots=4, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 16), min_ctx_pages=2,
-                              decode_steps_per_call=4, decode_widths=(4,))
-        engine = Engine(cfg.replace(sampler_branches=branches), params, eos_ids=[0], config=config)
-        seqs = [engine.add(prompt, p) for prompt, p in requests]
-        while any(s.finish_reason is None for s in seqs):
-            engine.step()
+        seqs = _run(_tiny_engine(tiny_params, branches), requests)
         results[branches] = [(s.generated, s.logprobs, s.top_logprobs) for s in seqs]
     assert results["select"] == results["cond"]
     assert len(set(results["select"][1][0])) > 2  # the sampled row really sampled
 
 
-def test_plain_decode_calls_draw_what_full_ones_do():
+def test_plain_decode_calls_draw_what_full_ones_do(tiny_params):
     """Decode calls whose requests need no filter and no top logprobs compile those parts
     out; a request draws the same tokens and logprobs whether its neighbour forces the full
     sampler (top logprobs) or not."""
-    from jaxllm.config import ModelConfig
-    from jaxllm.engine import Engine, EngineConfig
-    from jaxllm.loading.dummy import dummy_params
-
-    cfg = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                      ffn_dim=64, max_position=256, sampler_branches="select")
-    params = jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, dummy_params(cfg, seed=1))
     plain = [
         ([5, 9, 33, 2], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=True)),
         ([3] * 11, SamplingParams(temperature=1.1, repetition_penalty=1.2, seed=9, max_tokens=9, ignore_eos=True)),
@@ -130,9 +139,7 @@ def test_plain_decode_calls_draw_what_full_ones_do():
     forcing = ([7, 7, 1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, top_logprobs=2))
     results, calls = {}, {}
     for neighbour in (False, True):
-        config = EngineConfig(max_slots=4, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 16), min_ctx_pages=2,
-                              decode_steps_per_call=4, decode_widths=(4,))
-        engine = Engine(cfg, params, eos_ids=[0], config=config)
+        engine = _tiny_engine(tiny_params, "select")
         engine.warmup()
         seen = []
 
@@ -142,9 +149,7 @@ def test_plain_decode_calls_draw_what_full_ones_do():
                 return super().get(key, default)
 
         engine._compiled = Recording(engine._compiled)
-        seqs = [engine.add(prompt, p) for prompt, p in plain + ([forcing] if neighbour else [])]
-        while any(s.finish_reason is None for s in seqs):
-            engine.step()
+        seqs = _run(engine, plain + ([forcing] if neighbour else []))
         results[neighbour] = [(s.generated, s.logprobs) for s in seqs[: len(plain)]]
         calls[neighbour] = {key[-1] for key in seen if key[0] == "decode"}
     # Prompts are packed differently with the neighbour, so logprobs may differ in the last bits.
@@ -159,7 +164,6 @@ def test_a_row_without_filters_keeps_its_vocabulary_beside_a_filtering_row():
     """Filtering runs per row: a row asking no top-k/top-p/min-p keeps every id even when a
     neighbour filters. (Run through the filter with top_p = 1, a near-certain row would lose
     its tail: the float32 cumulative sum reaches 1.0 before the end.)"""
-    from jaxllm.sampling import _filter_mask, _filter_rows
 
     peaked = jnp.zeros((V,), jnp.float32).at[3].set(25.0)
     scaled = jnp.stack([peaked, jax.random.normal(jax.random.PRNGKey(0), (V,)) * 3])
@@ -169,3 +173,18 @@ def test_a_row_without_filters_keeps_its_vocabulary_beside_a_filtering_row():
     assert keep[0].all()
     np.testing.assert_array_equal(keep[1], _filter_mask(scaled[1], s.top_k[1], s.top_p[1], s.min_p[1]))
     assert 0 < keep[1].sum() <= FILTERED.top_k
+
+
+def test_plain_decode_variants_compile_only_where_they_save_a_wait(tiny_params):
+    """With lax.cond (the CPU) the parts a plain sampler leaves out already cost nothing
+    unused, so no plain variant is compiled and every decode call takes the full one."""
+    keys = {}
+    for branches in ("cond", "select"):
+        engine = _tiny_engine(tiny_params, branches)
+        engine.warmup()
+        keys[branches] = {key for key in engine._compiled if key[0] == "decode"}
+        seqs = _run(engine, [([5, 9, 33, 2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))])
+        assert len(seqs[0].generated) == 6
+    assert {key[-1] for key in keys["cond"]} == {True}
+    assert {key[-1] for key in keys["select"]} == {True, False}
+    assert len(keys["select"]) == 2 * len(keys["cond"])
