@@ -140,14 +140,15 @@ def load(
     config_path: str | None = None,
     decode_attention: str = "auto",
     decode_matmul: str = "auto",
+    kv_dtype: str = "auto",
 ) -> Model:
     """Loads a model by name ("smollm2"), path (.gguf, HF directory, orbax directory) or preset.
 
-    `scan_layers`, `decode_attention` and `decode_matmul` are runtime choices stored on the
-    config (see `ModelConfig`).
+    `scan_layers`, `decode_attention`, `decode_matmul` and `kv_dtype` are runtime choices
+    stored on the config (see `ModelConfig`).
     """
     cfg, params = load_model(model, fmt=load_format, dtype=dtype, scan_layers=scan_layers, config_path=config_path)
-    cfg = cfg.replace(decode_attention=decode_attention, decode_matmul=decode_matmul)
+    cfg = cfg.replace(decode_attention=decode_attention, decode_matmul=decode_matmul, kv_dtype=kv_dtype)
     return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(model, load_format, cfg))
 
 

@@ -59,7 +59,7 @@ def run_bench(args: argparse.Namespace) -> int:
     log(f"loading {args.model} ({args.dtype})")
     model = load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
                  decode_attention=args.decode_attention,
-                 decode_matmul=args.decode_matmul)
+                 decode_matmul=args.decode_matmul, kv_dtype=args.kv_cache_dtype)
     log("timing one pass over the weights")
     bandwidth = measure_bandwidth(model.params, repeats=max(5, args.repeats))
     runs = [bench_engine(model, c, args, log) for c in concurrency]

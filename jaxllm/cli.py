@@ -18,6 +18,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-matmul", default="auto", choices=["auto", "xla", "pallas"],
                    help="decode projections: auto = C++ kernels on CPU (float32), XLA's dot on GPU; "
                         "xla = XLA's dot everywhere; pallas = the Pallas matvec kernel on GPU")
+    p.add_argument("--kv-cache-dtype", default="auto", type=_kv_dtype, metavar="{auto,fp8}",
+                   help="K/V cache element type: auto = the model's dtype; fp8 (float8_e4m3fn) halves a bfloat16 "
+                        "cache's bytes and decode reads, and changes outputs slightly")
+
+
+def _kv_dtype(name: str) -> str:
+    """--kv-cache-dtype: vLLM's spellings onto ModelConfig.kv_dtype."""
+    known = {"auto": "auto", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
+    if name not in known:
+        raise argparse.ArgumentTypeError(f"unknown K/V cache dtype {name!r}; known: {', '.join(known)}")
+    return known[name]
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +51,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     model = load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
                  decode_attention=args.decode_attention,
-                 decode_matmul=args.decode_matmul)
+                 decode_matmul=args.decode_matmul, kv_dtype=args.kv_cache_dtype)
     if args.chat:
         ids = model.chat_ids([{"role": "user", "content": args.prompt}])
     else:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+KV_DTYPES: tuple[str, ...] = ("auto", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +86,12 @@ class ModelConfig:
     # elsewhere (a CPU pays for every random draw). The costly parts (filters, top logprobs)
     # are compiled out of decode calls whose requests need neither (`sample`'s `full`).
     sampler_branches: str = "auto"
+    # Element type of the K/V cache: "auto" is `dtype`; "float8_e4m3fn" stores keys and values
+    # in 8 bits (vLLM's `--kv-cache-dtype fp8`, unscaled: values saturate at +-448). Decode
+    # at many slots reads more K/V than weights, so this halves a bfloat16 step's largest
+    # read and doubles the positions a memory budget holds; attention still computes in
+    # `dtype` (each path widens what it reads), and the rounding changes the outputs.
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_attention not in ("auto", "reference", "interpret"):
@@ -95,6 +102,8 @@ class ModelConfig:
             raise ValueError(f"decode_norm must be auto, xla or interpret, got {self.decode_norm!r}")
         if self.sampler_branches not in ("auto", "cond", "select"):
             raise ValueError(f"sampler_branches must be auto, cond or select, got {self.sampler_branches!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:
@@ -109,6 +118,11 @@ class ModelConfig:
     @property
     def jnp_dtype(self) -> Any:
         return jnp.dtype(self.dtype)
+
+    @property
+    def kv_jnp_dtype(self) -> Any:
+        """The K/V cache's element type (see `kv_dtype`)."""
+        return self.jnp_dtype if self.kv_dtype == "auto" else jnp.dtype(self.kv_dtype)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

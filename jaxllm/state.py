@@ -40,7 +40,7 @@ class StateLayout:
 
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int) -> int:
-    return 2 * cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    return 2 * cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * cfg.kv_jnp_dtype.itemsize
 
 
 def layout_for_budget(
@@ -62,6 +62,16 @@ def layout_for_budget(
     return StateLayout(
         max_slots=max_slots, page_size=page_size, n_pages=int(n_pages), max_pages_per_seq=max_pages_per_seq
     )
+
+
+def to_kv_dtype(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Keys or values rounded to the cache's element type. 8-bit floats saturate at their
+    largest finite value: float8_e4m3fn has no infinity, so an overflow would be nan."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -top, top)
+    return x.astype(dtype)
 
 
 @struct.dataclass
@@ -145,7 +155,7 @@ def init_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
     B, V = layout.max_slots, cfg.vocab_size
     kv_shape = (cfg.n_layers, layout.n_pages, layout.page_size, cfg.n_kv_heads, cfg.head_dim)
     return DecodeState(
-        kv=KVCache(k=jnp.zeros(kv_shape, cfg.jnp_dtype), v=jnp.zeros(kv_shape, cfg.jnp_dtype)),
+        kv=KVCache(k=jnp.zeros(kv_shape, cfg.kv_jnp_dtype), v=jnp.zeros(kv_shape, cfg.kv_jnp_dtype)),
         page_table=jnp.full((B + 1, layout.max_pages_per_seq), TRASH_PAGE, jnp.int32),
         lengths=jnp.zeros((B,), jnp.int32),
         last_token=jnp.zeros((B,), jnp.int32),

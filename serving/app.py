@@ -81,7 +81,7 @@ class Server:
             self.scheduler = Scheduler(
                 engine, self.model.tokenizer, self.settings, self.metrics, self.sessions,
                 bytes_per_page=int(kv_bytes_per_page(cfg, engine.layout.page_size)), vocab=cfg.vocab_size,
-                cache_options=f"{self.model_name}:{cfg.dtype}".encode(), on_death=self.on_death, warmup=warm)
+                cache_options=f"{self.model_name}:{cfg.dtype}:{cfg.kv_dtype}".encode(), on_death=self.on_death, warmup=warm)
             self.scheduler.start()
         except BaseException as e:  # noqa: BLE001
             self.load_error = e

@@ -75,7 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
     def loader():
         return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
                     decode_attention=args.decode_attention,
-                    decode_matmul=args.decode_matmul)
+                    decode_matmul=args.decode_matmul, kv_dtype=args.kv_cache_dtype)
 
     name = args.served_model_name or Path(args.model).stem
     return serve(loader, model_name=name, host=args.host, port=args.port, config=args.config, api_key=args.api_key,

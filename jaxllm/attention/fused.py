@@ -32,8 +32,8 @@ def fresh_causal_attention(
     lengths = jnp.maximum(windows.length, 1).astype(jnp.int32)
     out = jax.nn.dot_product_attention(
         q[safe_idx],
-        k_new[safe_idx],
-        v_new[safe_idx],
+        k_new[safe_idx].astype(q.dtype),  # widens an 8-bit cache's keys and values
+        v_new[safe_idx].astype(q.dtype),
         is_causal=True,
         query_seq_lengths=lengths,
         key_value_seq_lengths=lengths,

@@ -54,6 +54,15 @@ def _cdiv(a: jax.Array, b: int) -> jax.Array:
     return lax.div(a + (b - 1), b)
 
 
+def _saturate(x: jax.Array, dtype) -> jax.Array:
+    """`x` in the pool's type; 8-bit floats clip to their largest finite value first (like
+    `jaxllm.state.to_kv_dtype`: float8_e4m3fn has no infinity)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
+
+
 def _rotate(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """RoPE on the two halves of rows (HF `rotate_half` layout) in float32, rounded to `dtype`
     like `jaxllm.model.layers.apply_rope`."""
@@ -84,6 +93,7 @@ def _decode_kernel(
     precision: lax.Precision | None,
     grid_order: str,
     pool_rows: int,
+    dtype: jnp.dtype,
 ):
     rest = list(rest)
     pos_ref, inv_freq_ref = (rest.pop(0), rest.pop(0)) if rope else (None, None)
@@ -107,7 +117,16 @@ def _decode_kernel(
     # Both halves of every row apart: RoPE pairs them, so the dots run per half.
     lo, hi = pl.ds(h * head_dim, half), pl.ds(h * head_dim + half, half)
     gp = m_ref.shape[0]
-    dtype = k_ref.dtype
+    # `dtype` is the model's: an 8-bit pool is widened to it as each block loads, and the
+    # fresh k and v are rounded through the pool's type, so this step attends to them as
+    # later steps will read them from the cache (as the jnp reference does).
+    narrow = k_ref.dtype != dtype
+
+    def widen(x):
+        return x.astype(dtype) if narrow else x
+
+    def through_pool(x):
+        return widen(_saturate(x, k_ref.dtype)) if narrow else x
     q_off, k_off, v_off = offsets
     # The kv head's G query heads, padded to gp rows with zeros (masked, never read past H).
     head_live = lax.broadcasted_iota(jnp.int32, (gp,), 0) < group
@@ -137,6 +156,7 @@ def _decode_kernel(
         k1, k2 = _rotate(k1, k2, cos, sin, dtype)
     else:
         q1, q2, k1, k2 = (a.astype(dtype) for a in (q1, q2, k1, k2))
+    k1, k2 = through_pool(k1), through_pool(k2)
     dims = (((1,), (1,)), ((), ()))  # q @ k.T
 
     def body(b, carry):
@@ -148,15 +168,15 @@ def _decode_kernel(
         # Dead rows (past cached_len) read the trash page: cached, so no HBM traffic.
         page = jnp.where(live, page, _TRASH_PAGE)
         rows = layer_base + page * page_size + lax.rem(pos, page_size)
-        logits = lax.dot_general(q1, k_ref[rows, lo], dims, precision=precision, preferred_element_type=jnp.float32)
-        logits += lax.dot_general(q2, k_ref[rows, hi], dims, precision=precision, preferred_element_type=jnp.float32)
+        logits = lax.dot_general(q1, widen(k_ref[rows, lo]), dims, precision=precision, preferred_element_type=jnp.float32)
+        logits += lax.dot_general(q2, widen(k_ref[rows, hi]), dims, precision=precision, preferred_element_type=jnp.float32)
         logits = jnp.where(live[None, :], logits * scale, _MASKED)
         m_new = jnp.maximum(m, logits.max(axis=1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
         l_new = l * correction + p.sum(axis=1)
         # Zero dead values: a 0 weight times a non-finite stale value would still be nan.
-        v = v_ref[rows, pl.ds(h * head_dim, head_dim)]
+        v = widen(v_ref[rows, pl.ds(h * head_dim, head_dim)])
         v = jnp.where(live[:, None], v, jnp.zeros_like(v))
         pv = lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
         return o * correction[:, None] + pv, m_new, l_new
@@ -166,13 +186,13 @@ def _decode_kernel(
     f32 = jnp.float32
     fresh_logit = (q1.astype(f32) * k1.astype(f32)).sum(axis=1) + (q2.astype(f32) * k2.astype(f32)).sum(axis=1)
     fresh_logit = fresh_logit * scale
-    v_fresh = load(v_new_ref, pl.ds(v_off + h, 1), pl.ds(0, head_dim)).astype(dtype)  # [1, Dh]
+    v_fresh = through_pool(load(v_new_ref, pl.ds(v_off + h, 1), pl.ds(0, head_dim)).astype(dtype))  # [1, Dh]
     if return_kv:  # split 0 of each (window, kv head) hands the cache write its k and v
         k_out, v_out = kv_out
         at = (w, pl.ds(h, 1))
         for ref, col, val in ((k_out, 0, k1), (k_out, half, k2), (v_out, 0, v_fresh)):
             width = val.shape[1]
-            plgpu.store(ref.at[(*at, pl.ds(col, width))], val.astype(ref.dtype),
+            plgpu.store(ref.at[(*at, pl.ds(col, width))], _saturate(val, ref.dtype),
                         mask=jnp.broadcast_to(s == 0, (1, width)))
     v_fresh = v_fresh.astype(f32)
     first = s == 0
@@ -258,7 +278,7 @@ def paged_decode_attention(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("n_heads", "interpret", "return_kv"))
+@functools.partial(jax.jit, static_argnames=("n_heads", "interpret", "return_kv", "dtype"))
 def paged_decode_attention_qkv(
     qkv: jax.Array,
     positions: jax.Array,
@@ -273,6 +293,7 @@ def paged_decode_attention_qkv(
     window_live: jax.Array | None = None,
     interpret: bool = False,
     return_kv: bool = False,
+    dtype: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """`paged_decode_attention` straight from a fused projection's output, RoPE included.
 
@@ -283,12 +304,15 @@ def paged_decode_attention_qkv(
     frequencies. The kernel rotates q and the fresh k itself, so a decode layer runs no
     slicing or RoPE kernels before attention. Same result as rotating first and calling
     `paged_decode_attention`. With `return_kv` it also returns the fresh (k rotated, v)
-    [W, K, Dh] each in the pool's dtype, what the cache write stores.
+    [W, K, Dh] each in the pool's dtype, what the cache write stores. `dtype`: the model's
+    dtype where q, k, v come as float32 partials and the pool is narrower (an 8-bit cache);
+    default the pool's.
     """
     K = k_pages.shape[-2]
     return _paged_decode(
         (qkv, qkv, qkv), (0, n_heads, n_heads + K), n_heads, k_pages, v_pages, pages, cached_len,
         layer=layer, window_live=window_live, rope=(positions, inv_freq), interpret=interpret, return_kv=return_kv,
+        dtype=dtype,
     )
 
 
@@ -306,6 +330,7 @@ def _paged_decode(
     rope: tuple[jax.Array, jax.Array] | None,
     interpret: bool,
     return_kv: bool = False,
+    dtype: jnp.dtype | None = None,
     pages_per_block: int | None = None,
     n_splits: int | None = None,
     num_warps: int = 4,
@@ -315,8 +340,9 @@ def _paged_decode(
     """Both kernels; q, k_new, v_new are rows of the three arrays from `offsets` (each
     [W, R, Dh], or float32 split partials [S, W, R, Dh])."""
     W, Dh = qkv[0].shape[-3], qkv[0].shape[-1]
-    # Partials are float32 sums in progress: the result takes the model's (the pool's) dtype.
-    out_dtype = qkv[0].dtype if qkv[0].ndim == 3 else k_pages.dtype
+    # Partials are float32 sums in progress: the result takes the model's dtype (by default
+    # the pool's).
+    out_dtype = jnp.dtype(qkv[0].dtype if qkv[0].ndim == 3 else dtype or k_pages.dtype)
     if k_pages.ndim == 5:
         if layer is None:
             raise ValueError("a stacked [L, P, page, K, Dh] pool needs `layer`")
@@ -337,7 +363,7 @@ def _paged_decode(
     n_splits = pl.next_power_of_2(n_splits)
     scale = Dh**-0.5
     # float32 dots would otherwise run as TF32 on the GPU (~1e-3 relative error).
-    precision = lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None
+    precision = lax.Precision.HIGHEST if out_dtype == jnp.float32 else None
     gp = max(MIN_DOT, pl.next_power_of_2(G))  # query rows per program (dots want >= 16)
 
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -367,6 +393,7 @@ def _paged_decode(
         scale=scale,
         precision=precision,
         grid_order=grid_order,
+        dtype=out_dtype,
     )
     sizes = dict(w=W, h=K, s=n_splits)
 

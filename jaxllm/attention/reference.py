@@ -65,13 +65,14 @@ def paged_attention(
     in_window = offsets[None, :] < windows.length[:, None]
     safe_idx = jnp.where(in_window, idx, 0)
     qw = q[safe_idx].reshape(W, window_len, K, G, Dh)
-    kw, vw = k_new[safe_idx], v_new[safe_idx]  # [W, Q, K, Dh]
+    # An 8-bit cache is widened to the queries' type as it is read (see ModelConfig.kv_dtype).
+    kw, vw = k_new[safe_idx].astype(q.dtype), v_new[safe_idx].astype(q.dtype)  # [W, Q, K, Dh]
     qpos = positions[safe_idx]  # [W, Q]
     first_pos = qpos[:, :1]  # [W, 1]: cache positions before it were written by earlier rounds
 
     pages = page_table[windows.slot, :n_ctx_pages]  # [W, n]
-    k = k_pages[pages].reshape(W, S, K, Dh)
-    v = v_pages[pages].reshape(W, S, K, Dh)
+    k = k_pages[pages].reshape(W, S, K, Dh).astype(q.dtype)
+    v = v_pages[pages].reshape(W, S, K, Dh).astype(q.dtype)
 
     scale = Dh**-0.5
     cached = jnp.einsum("wqkgd,wskd->wkgqs", qw, k, preferred_element_type=jnp.float32) * scale
@@ -121,12 +122,12 @@ def paged_decode_reference(
 
     qw = q[:W].reshape(W, K, G, Dh)
     pages = page_table[windows.slot, :n_ctx_pages]  # [W, n]
-    k = k_pages[pages].reshape(W, S, K, Dh)
-    v = v_pages[pages].reshape(W, S, K, Dh)
+    k = k_pages[pages].reshape(W, S, K, Dh).astype(q.dtype)  # widens an 8-bit cache
+    v = v_pages[pages].reshape(W, S, K, Dh).astype(q.dtype)
     cached = jnp.einsum("wkgd,wskd->wkgs", qw, k, preferred_element_type=jnp.float32) * scale
     cached_ok = jnp.arange(S)[None, :] < positions[:W, None]  # [W, S]: written by earlier rounds
     cached = jnp.where(cached_ok[:, None, None, :], cached, _MASKED)
-    fresh = jnp.einsum("wkgd,wkd->wkg", qw, k_new[:W], preferred_element_type=jnp.float32) * scale
+    fresh = jnp.einsum("wkgd,wkd->wkg", qw, k_new[:W].astype(q.dtype), preferred_element_type=jnp.float32) * scale
 
     top = jnp.maximum(cached.max(axis=-1), fresh)  # [W, K, G]; finite thanks to the fresh key
     p_cached = jnp.exp(cached - top[..., None])

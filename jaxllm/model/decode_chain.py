@@ -88,7 +88,7 @@ def chain_layer(
     attn, k, v = paged_decode_attention_qkv(
         qkv, batch.positions, rope_inv_freq(cfg), kv.k, kv.v, lookups.pages, lookups.cached,
         n_heads=cfg.n_heads, layer=layer_index, window_live=batch.decode.length > 0, interpret=interpret,
-        return_kv=True,
+        return_kv=True, dtype=cfg.dtype,
     )
     o = matvec(attn.reshape(T, -1), a.wo.reshape(-1, D), partials=True, interpret=interpret)
     x, h = add_rms_norm(x, o, lp.mlp_norm, cfg.rms_eps, kernel=norm)

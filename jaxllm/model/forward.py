@@ -23,7 +23,7 @@ from jaxllm.model.decode_chain import DecodeLookups, chain_kernel, chain_layer, 
 from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, matmul_kernel, norm_kernel
 from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.params import LayerParams, MoeParams, Params
-from jaxllm.state import KVCache
+from jaxllm.state import KVCache, to_kv_dtype
 
 
 @struct.dataclass
@@ -72,8 +72,8 @@ def _layer(
         q = rms_norm(q, a.q_norm, cfg.rms_eps)
         k = rms_norm(k, a.k_norm, cfg.rms_eps)
     q = apply_rope(q, batch.positions, inv_freq)
-    k = apply_rope(k, batch.positions, inv_freq).astype(kv.k.dtype)
-    v = v.astype(kv.v.dtype)
+    k = to_kv_dtype(apply_rope(k, batch.positions, inv_freq), kv.k.dtype)
+    v = to_kv_dtype(v, kv.v.dtype)
 
     k_layer, v_layer = kv.k[layer_index], kv.v[layer_index]
     page_table = _after(page_table, x)  # read this layer's context only once its input exists

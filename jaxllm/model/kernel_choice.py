@@ -64,10 +64,17 @@ def decode_attention_kernel(cfg: ModelConfig) -> str | None:
     """Which kernel runs decode tokens' attention (see ModelConfig.decode_attention): "pallas",
     "interpret" (Pallas in its interpreter), "cpu" (C++), or None for the jnp reference."""
     if cfg.decode_attention == "auto":
-        if kernels_available(cfg.dtype):
+        if kernels_available(cfg.dtype) and (cfg.kv_dtype == "auto" or fp8_loads_compile()):
             return "pallas"
-        return "cpu" if paged_decode_cpu.available(cfg.dtype) else None
+        # The C++ kernel reads float32 pools only.
+        return "cpu" if cfg.kv_dtype == "auto" and paged_decode_cpu.available(cfg.dtype) else None
     return "interpret" if cfg.decode_attention == "interpret" else None
+
+
+def fp8_loads_compile() -> bool:
+    """Triton converts float8_e4m3fn on compute capability 8.9 and later (Ada, Hopper)."""
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return tuple(int(x) for x in str(capability).split(".")[:2]) >= (8, 9)
 
 
 def sampler_branches(cfg: ModelConfig) -> str:
