@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_attention_qkv  # noqa: E402
 from jaxllm.model.layers import apply_rope  # noqa: E402
 from jaxllm.attention.reference import Windows, paged_attention  # noqa: E402
+from jaxllm.state import to_kv_dtype  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +49,21 @@ class Case:
     ctx: int  # cached positions per window (about: each window gets ctx - rng(0..ctx/20))
     dtype: str = "bfloat16"
     page: int = 16
+    kv_dtype: str | None = None  # the pool's (and fresh k/v's) type when narrower: an 8-bit cache
 
 
 def _cases(small: bool) -> list[Case]:
     if small:
         return [
             Case("tiny", 1, 4, 2, 32, 4, 50, "float32"),
+            Case("tiny fp8", 3, 4, 2, 32, 8, 50, "bfloat16", kv_dtype="float8_e4m3fn"),
             Case("tiny", 3, 4, 2, 32, 8, 50, "float32"),
             Case("tiny-g3", 2, 6, 2, 32, 8, 100, "bfloat16"),
         ]
     cases = [Case("8B", W, 32, 8, 128, n, 1000) for W in (1, 8, 64) for n in (64, 136)]
     cases += [Case("8B short", 64, 32, 8, 128, 136, 100)]
     cases += [Case("135M", 64, 9, 3, 64, 64, 1000, dt) for dt in ("float32", "bfloat16")]
+    cases += [Case("8B fp8", W, 32, 8, 128, 136, 1000, kv_dtype="float8_e4m3fn") for W in (1, 8, 64)]
     return cases
 
 
@@ -72,9 +76,10 @@ def _inputs(case: Case, seed: int = 0):
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dt)  # noqa: E731
     pages = (1 + rng.permutation(W * n)).reshape(W, n).astype(np.int32)
     cached = np.minimum(case.ctx - rng.integers(0, case.ctx // 20 + 1, W), n * page).astype(np.int32)
+    kv = normal if case.kv_dtype is None else lambda *shape: to_kv_dtype(normal(*shape), case.kv_dtype)  # noqa: E731
     return dict(
-        q=normal(W, H, Dh), k_new=normal(W, K, Dh), v_new=normal(W, K, Dh),
-        k_pages=normal(P, page, K, Dh), v_pages=normal(P, page, K, Dh),
+        q=normal(W, H, Dh), k_new=kv(W, K, Dh), v_new=kv(W, K, Dh),
+        k_pages=kv(P, page, K, Dh), v_pages=kv(P, page, K, Dh),
         pages=jnp.asarray(pages), cached_len=jnp.asarray(cached),
     )
 
@@ -97,14 +102,18 @@ def _rope_err(case: Case, *, interpret: bool) -> float:
     """The fused-projection entry (q, k, v as rows of one array, RoPE in the kernel) against
     the exact reference on inputs rotated by `apply_rope`."""
     args = _inputs(case, seed=1)
-    qkv = jnp.concatenate([args["q"], args["k_new"], args["v_new"]], axis=1)
+    dt = args["q"].dtype  # an 8-bit k/v widens exactly into the model's dtype
+    qkv = jnp.concatenate([args["q"], args["k_new"].astype(dt), args["v_new"].astype(dt)], axis=1)
     inv_freq = 1.0 / (500000.0 ** (jnp.arange(case.Dh // 2, dtype=jnp.float32) * 2 / case.Dh))
     positions = args["cached_len"]
     ours = paged_decode_attention_qkv(
         qkv, positions, inv_freq, args["k_pages"], args["v_pages"], args["pages"], args["cached_len"],
         n_heads=case.H, interpret=interpret,
     )
-    rotated = dict(args, q=apply_rope(args["q"], positions, inv_freq), k_new=apply_rope(args["k_new"], positions, inv_freq))
+    k_rotated = apply_rope(args["k_new"].astype(dt), positions, inv_freq)
+    if case.kv_dtype is not None:  # the kernel attends to the fresh key as the cache will hold it
+        k_rotated = to_kv_dtype(k_rotated, case.kv_dtype)
+    rotated = dict(args, q=apply_rope(args["q"], positions, inv_freq), k_new=k_rotated)
     return _rel_err(ours, _exact_reference(rotated))
 
 
@@ -133,7 +142,7 @@ def _median_seconds(fn, reps: int) -> float:
 
 def _needed_bytes(case: Case, cached_len: jax.Array) -> int:
     """K and V bytes of the live cache positions: what any kernel must read."""
-    per_position = 2 * case.K * case.Dh * jnp.dtype(case.dtype).itemsize
+    per_position = 2 * case.K * case.Dh * jnp.dtype(case.kv_dtype or case.dtype).itemsize
     return int(np.asarray(cached_len, np.int64).sum()) * per_position
 
 

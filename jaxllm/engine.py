@@ -69,6 +69,12 @@ class EngineConfig:
     # Threads compiling shape variants during warm-up (XLA compiles release the GIL); 0 = one
     # per CPU core.
     compile_threads: int = 0
+    # Whether warm-up also runs every compiled round once, on idle inputs (None: where the
+    # default backend is not the CPU). On a GPU an executable's first run pays once-only
+    # costs (loading its kernels, recording its command buffers, each `lax.cond` branch's
+    # first pass), which would otherwise fall on the first request of each round shape; on
+    # the CPU there are none worth the seconds the runs take.
+    warmup_runs: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "decode_steps_per_call", "decode_unroll", "chunk_segments"):
@@ -354,16 +360,43 @@ class Engine:
             futures = {key: pool.submit(lower().compile) for key, lower in variants}
             self._compiled.update({key: f.result() for key, f in futures.items()})
         count = len(variants)
-        for n_pages in [1, 2, 4] + self.ctx_buckets():
-            if n_pages <= self.layout.max_pages_per_seq:
-                ckpt = steps.extract(self.state, np.int32(0), n_pages=n_pages)
-                self.state = steps.insert(self.state, np.int32(0), ckpt)
-                count += 1
+        runs = self.config.warmup_runs
+        if runs or (runs is None and jax.default_backend() != "cpu"):
+            self._run_idle_rounds()
+        # Checkpoints come in every power-of-two page count (`extract`): a prefix-cache entry
+        # of any length, a paused request of any length, must not compile while serving.
+        for n_pages in sorted({pages_bucket(1 << i, self.layout.max_pages_per_seq)
+                               for i in range(self.layout.max_pages_per_seq.bit_length() + 1)}):
+            ckpt = steps.extract(self.state, np.int32(0), n_pages=n_pages)
+            self.state = steps.insert(self.state, np.int32(0), ckpt)
+            count += 1
         row = sampling_row(SamplingParams(), self.cfg.vocab_size, self.eos_ids, np.uint32(0))
         self.state = steps.set_slot(self.state, np.int32(0), np.asarray(page_row([], self.layout)), row)
         self.state = steps.release_slot(self.state, np.int32(0))
         jax.block_until_ready(self.state)
         return count
+
+    def _run_idle_rounds(self) -> None:
+        """Runs every compiled round once with nothing decoding (see EngineConfig.warmup_runs).
+
+        Idle rounds touch only the trash row and the trash page, so the state stays as it
+        was. A chunk round runs twice: as a fresh prompt and as one continuing after cached
+        context, the two branches of its chunk attention, both on the trash row.
+        """
+        B = self.layout.max_slots
+        idle = steps.round_inputs(B, self.cfg.vocab_size)
+        for key, compiled in self._compiled.items():
+            if key[0] == "decode":
+                self.state, _ = compiled(self.params, self.state, idle)
+                continue
+            size = key[1] if key[1] in self.config.chunk_buckets else 0
+            self.state, _ = compiled(self.params, self.state, idle, self._idle_chunk(size))
+            if size:
+                chunk = self._idle_chunk(size)
+                chunk.positions[:] = np.minimum(np.arange(1, size + 1), self.layout.max_seq_len - 1)
+                chunk.seg_slot[0], chunk.seg_len[0] = B, size  # the trash row, after one cached position
+                self.state, _ = compiled(self.params, self.state, idle, chunk)
+        jax.block_until_ready(self.state)
 
     def _idle_chunk(self, size: int) -> steps.ChunkBatch:
         B = self.layout.max_slots

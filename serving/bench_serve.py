@@ -206,6 +206,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "ttft_ms": _stats_ms([r.ttft for r in ok]),
+        "ttft_ms_each": [round(r.ttft * 1000.0, 2) for r in ok],  # in request order: which one was slow
         "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": _stats_ms([x for r in ok for x in r.itls]),
         "e2el_ms": _stats_ms([r.latency for r in ok]),
@@ -429,13 +430,26 @@ async def _run_load(args: argparse.Namespace, base_url: str, model: str | None) 
                 (await client.post("/stop_profile", timeout=max(args.timeout, 300))).raise_for_status()
 
 
-def model_costs(client: httpx.Client) -> dict[str, int] | None:
-    """The served model's per-token costs (see `jaxllm.costs`) from /v1/state, if published."""
+def server_state(client: httpx.Client) -> dict[str, Any]:
+    """The server's /v1/state snapshot (empty if it publishes none)."""
     try:
         r = client.get("/v1/state")
-        return (r.json().get("model") or {}).get("costs") if r.status_code == 200 else None
+        return r.json() if r.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def model_costs(state: dict[str, Any]) -> dict[str, int] | None:
+    """The served model's per-token costs (see `jaxllm.costs`), if published."""
+    return (state.get("model") or {}).get("costs")
+
+
+def compilations_between(before: dict[str, Any], after: dict[str, Any]) -> int | None:
+    """XLA compilations the server ran between two snapshots (warm-up requests included):
+    after the server's own warm-up this should be 0, or some request shape compiled."""
+    if before.get("compilations") is None or after.get("compilations") is None:
         return None
+    return int(after["compilations"]) - int(before["compilations"])
 
 
 def utilisation(summary: dict[str, Any], costs: dict[str, int] | None, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -491,11 +505,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 pid = local_pid_listening(urlparse(base_url).port or 80)
             probe = RssProbe(sync, pid)
             report.update(model=model, rss_source=probe.source, rss_before=probe.read(), load_before=load_average())
-            costs = model_costs(sync)
+            state_before = server_state(sync)
             results, duration = asyncio.run(_run_load(args, base_url, model))
             report.update(rss_after=probe.read(), load_after=load_average())
+            report["compilations"] = compilations_between(state_before, server_state(sync))
             report["result"] = summarize(results, duration)
-            report["utilisation"] = utilisation(report["result"], costs, args)
+            report["utilisation"] = utilisation(report["result"], model_costs(state_before), args)
             if args.overhead:
                 report["overhead"] = measure_overhead(args, base_url, model, engine)
     finally:
@@ -579,6 +594,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'Load average before / after (1, 5, 15 min):':<44}{r.get('load_before')} / {r.get('load_after')}",
         f"{'Machine:':<44}{r['machine']['cpus']} CPUs, {r['machine']['cpu_model']}",
     ]
+    lines.append(f"{'Server compilations (warm-up requests incl.):':<44}{r.get('compilations')}")
     if s["errors"]:
         lines.append(f"errors: {s['errors']}")
     if "overhead" in r:

@@ -31,11 +31,12 @@ def params():
 
 def make_engine(
     params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32), decode_widths=(1, 2), chunk_segments=1, cfg=CFG,
-    unroll=1, chunk_decode_width=0,
+    unroll=1, chunk_decode_width=0, min_ctx_pages=2, warmup_runs=None, max_seq_len=128,
 ) -> Engine:
-    config = EngineConfig(max_slots=slots, kv_bytes=1 << 20, max_seq_len=128, chunk_buckets=chunk_buckets,
-                          min_ctx_pages=2, decode_steps_per_call=steps_per_call, decode_widths=decode_widths,
-                          chunk_segments=chunk_segments, decode_unroll=unroll, chunk_decode_width=chunk_decode_width)
+    config = EngineConfig(max_slots=slots, kv_bytes=1 << 20, max_seq_len=max_seq_len, chunk_buckets=chunk_buckets,
+                          min_ctx_pages=min_ctx_pages, decode_steps_per_call=steps_per_call, decode_widths=decode_widths,
+                          chunk_segments=chunk_segments, decode_unroll=unroll, chunk_decode_width=chunk_decode_width,
+                          warmup_runs=warmup_runs)
     return Engine(cfg, params, eos_ids=[0], config=config)
 
 
@@ -198,6 +199,45 @@ def test_no_recompilation_after_warmup(params):
             jax.monitoring.clear_event_listeners()
     # Widths (1, 2, 3) x 2 chunk buckets: 4 chunk-round variants per context bucket fewer.
     assert counts[2] < counts[1]
+
+
+def test_one_context_bucket_still_warms_every_checkpoint_size(params):
+    """With a single context bucket (the GPU configs: the decode kernel reads only live
+    pages) the checkpoints of short prefixes are smaller than any bucket; they compiled
+    while serving until warm-up covered every power-of-two page count."""
+    engine = make_engine(params, steps_per_call=2, min_ctx_pages=16, max_seq_len=256)
+    assert engine.ctx_buckets() == [16]
+    engine.warmup()
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    try:
+        donor = engine.add(list(range(1, 70)), SamplingParams(temperature=0, max_tokens=2))
+        run_until_done(engine, [donor])
+        sizes = {engine.extract(donor, n).n_pages for n in (10, 20, 40, 69)}
+        paused = engine.pause(donor)
+        engine.remove(engine.resume(paused))
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert sizes == {1, 2, 4, 8}  # 8: neither a context bucket nor among warm-up's old 1, 2, 4
+    assert compiles == [], f"{len(compiles)} compilations after warm-up"
+
+
+def test_warmup_runs_leave_the_state_as_it_was(params):
+    """Warm-up's idle runs of every round (on by default on a GPU) touch only the trash row
+    and page: the state equals a warm-up without them, and requests draw the same."""
+    engines = [make_engine(params, steps_per_call=3, chunk_segments=2, warmup_runs=runs) for runs in (True, False)]
+    for e in engines:
+        e.warmup()
+    ran, plain = engines
+    trash_page_dropped = lambda st: st.replace(kv=jax.tree.map(lambda a: a[:, 1:], st.kv))  # noqa: E731
+    jax.tree.map(np.testing.assert_array_equal, trash_page_dropped(ran.state), trash_page_dropped(plain.state))
+    outs = []
+    for e in engines:
+        seqs = [e.add(PROMPT, SAMPLED), e.add(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=6))]
+        run_until_done(e, seqs)
+        outs.append([s.generated for s in seqs])
+    assert outs[0] == outs[1]
 
 
 def test_packed_prompts_give_the_same_tokens(params):

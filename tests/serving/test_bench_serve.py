@@ -47,6 +47,9 @@ def test_bench_serve_json(server, capsys):
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         assert s[key]["mean"] is not None and s[key]["p99"] >= s[key]["p50"] >= 0
     assert s["output_throughput"] > 0 and s["total_token_throughput"] > s["output_throughput"]
+    assert len(s["ttft_ms_each"]) == 6 and max(s["ttft_ms_each"]) == pytest.approx(s["ttft_ms"]["p99"], rel=0.05)
+    # The server warmed every shape before /health: the requests compiled nothing.
+    assert r["compilations"] == 0
     # The pid listening on the port is found through /proc, so RSS comes from VmRSS.
     assert r["rss_source"] == f"/proc/{server['proc'].pid}/status VmRSS"
     assert r["rss_before"] > 10 << 20 and r["rss_after"] > 10 << 20
