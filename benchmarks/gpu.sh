@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark plan in one script (an H200 with JAX 0.11 + CUDA plugin, no network).
 # Usage (repo root, with the wheels of the packages the machine lacks in .whl/):
-#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|unroll|decode] [OUT_DIR]
+#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|unroll|decode|kv8] [OUT_DIR]
 # Installs the project without touching the machine's jax (--no-deps --no-index), then runs
 # the engine cases (benchmarks/gpu_engine.py) and/or the server cases (jaxllm bench-serve
 # against `jaxllm serve --load-format dummy`), printing one table each.
@@ -33,6 +33,17 @@ if [[ $what == unroll ]]; then
   for u in ${UNROLL_8B:-1 2 8}; do
     /usr/bin/time -f "8B unroll $u: process %e s" python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json \
       --cases a_steps --steps 8 --unroll-steps $u 2>&1 | grep -E "^A |Error|error:|process" | sed 's/^/8B bf16 /'
+  done
+fi
+
+# The 8-bit K/V cache: the decode kernel's checks and bandwidth with every pool type (the
+# "8B fp8" rows), then a width-64 decode step at the mean context of 64 x 1k-in/1k-out
+# requests with a bfloat16 and an 8-bit cache.
+if [[ $what == kv8 ]]; then
+  timeout 240 python3 benchmarks/paged_decode_check.py --no-layer-loop 2>&1 | grep -v "^W0\|^I0"
+  for kv in auto float8_e4m3fn; do
+    timeout 150 python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json --cases c --c-context 1536 --kv-dtype $kv 2>&1 \
+      | grep -E "^C |Error|error:" | sed "s/^/8B kv=$kv /"
   done
 fi
 

@@ -122,8 +122,8 @@ def _decode_kernel(
     # later steps will read them from the cache (as the jnp reference does).
     narrow = k_ref.dtype != dtype
 
-    def widen(x):
-        return x.astype(dtype) if narrow else x
+    def widen(x):  # through float32: the conversion every Triton target has from 8 bits
+        return x.astype(jnp.float32).astype(dtype) if narrow else x
 
     def through_pool(x):
         return widen(_saturate(x, k_ref.dtype)) if narrow else x
