@@ -218,8 +218,10 @@ def _layer_loop_table(*, interpret: bool, reps: int, small: bool) -> None:
     del k_stack, v_stack
 
 
-def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float) -> None:
-    """Times the kernel's knobs on the bf16 cases (best five per case), within a time budget."""
+def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float, wide: bool = False) -> None:
+    """Times the kernel's knobs on the bf16 cases (best five per case), each case within an
+    equal share of the time budget. `wide`: the grid for many windows (more splits, bigger
+    blocks, deeper pipelines), in the "hsw" order only."""
     print("\nsweep: fastest settings per case (kernel ms)")
     settings = [
         dict(pages_per_block=ppb, n_splits=s, num_warps=nw, num_stages=st, grid_order=order)
@@ -229,8 +231,17 @@ def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float) ->
         for st in (2, 3)
         for nw in (4, 8)
     ]
-    deadline = time.perf_counter() + budget_s
-    for case in (c for c in cases if c.dtype == "bfloat16"):
+    if wide:
+        settings = [
+            dict(pages_per_block=ppb, n_splits=s, num_warps=nw, num_stages=st, grid_order="hsw")
+            for s in (1, 2, 4, 8)
+            for ppb in (4, 8, 16)
+            for st in (2, 3, 4)
+            for nw in (4, 8)
+        ]
+    swept = [c for c in cases if c.dtype == "bfloat16"]
+    for i, case in enumerate(swept):
+        deadline = time.perf_counter() + budget_s / len(swept)
         args = _inputs(case)
         ref = _exact_reference(args)
         results = []
@@ -259,8 +270,18 @@ def main() -> int:
     parser.add_argument("--no-layer-loop", action="store_true", help="skip the 32-layer scan table (8.6 GB of cache)")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's tuning knobs")
     parser.add_argument("--sweep-budget", type=float, default=300.0, help="seconds the sweep may take")
+    parser.add_argument("--sweep-wide", default=None, metavar="W:CTX[,W:CTX]",
+                        help="sweep only these 8B shapes (bf16 and 8-bit pools), over the wide knob grid")
     args = parser.parse_args()
     reps = 3 if args.interpret else args.reps
+    if args.sweep_wide:
+        shapes = [tuple(int(x) for x in item.split(":")) for item in args.sweep_wide.split(",")]
+        wide = [Case(name, W, 32, 8, 128, 136, ctx, kv_dtype=kv) for W, ctx in shapes
+                for name, kv in (("8B", None), ("8B fp8", "float8_e4m3fn"))]
+        if args.small:
+            wide = [dataclasses.replace(c, H=4, K=2, Dh=32, n_ctx_pages=8, ctx=100) for c in wide]
+        _sweep(wide, interpret=args.interpret, reps=reps, budget_s=args.sweep_budget, wide=True)
+        return 0
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), interpret={args.interpret}")
     print(f"ms per call: 'in jit' = {CHAIN} chained calls in one jit / {CHAIN} (as in the forward); "

@@ -400,6 +400,9 @@ class Scheduler:
         before = [(s, s.prefilled) for s in self.engine.seqs.values() if s.prefilled < len(s.prompt)]
         members = [self.by_seq[s.id] for s in self.engine.seqs.values() if s.id in self.by_seq]
         compiles = self.compiles.count
+        # Timed from before the call: on the GPU a launch returns only when the device has
+        # nearly run the round (see run_once), so a clock read after it would miss the round.
+        started = self.clock()
         try:
             handle = self.engine.launch(prefill_budget=budget)
             if handle is None:
@@ -413,7 +416,7 @@ class Scheduler:
         prefillers = {id(a): a for a in (self.by_seq[s.id][0] for s, _ in advanced)}  # n > 1 share a request
         completes = any(s.prefilled >= len(s.prompt) for s, _ in advanced)
         return InFlight(handle=handle, members=members, prefillers=list(prefillers.values()),
-                        launched=self.clock(), compiled=self.compiles.count != compiles,
+                        launched=started, compiled=self.compiles.count != compiles,
                         completes_prompts=completes)
 
     def _checkpoint_passed(self, seq: Any, start: int) -> None:

@@ -227,6 +227,24 @@ def test_rounds_are_pipelined_and_tokens_past_a_stop_are_dropped(loop):
     assert fs[-1].usage["completion_tokens"] == 3 + 6
 
 
+def test_round_time_counts_a_launch_that_blocks(loop):
+    """On the GPU `engine.launch` returns only when the device has nearly run the round: the
+    round's time (the request's prefill time, the pacer's rate) must include the call."""
+    sched, engine, clock = make(Limits())
+    launch = engine.launch
+
+    def blocking_launch(**kw):
+        handle = launch(**kw)
+        clock.t += 0.25  # the device runs the round while the call blocks
+        return handle
+
+    engine.launch = blocking_launch
+    job(sched, loop, "a", prompt_len=4, max_tokens=2)
+    run_until_idle(sched)
+    assert sched.totals["prefill_seconds"] == pytest.approx(0.25)
+    assert sched.pacer.rate == pytest.approx(4 / 0.25)
+
+
 def test_budget_and_active_cap_admission_order(loop):
     sched, engine, _ = make(Limits(active_requests=2, active_state_mib=1))
     budget = 1 << 20
