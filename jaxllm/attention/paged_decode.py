@@ -258,8 +258,7 @@ def paged_decode_attention(
       window_live: [W] bool/int, windows whose output rows are kept (default: all); the
         others come back as zeros.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
-      pages_per_block: pages per loop step (default: 64 positions, 128 when the windows alone
-        fill the GPU; at least 16 rows).
+      pages_per_block: pages per loop step (default: 64 positions, at least 16 rows).
       n_splits: programs per (window, kv head), rounded up to a power of two (default:
         enough to fill the GPU).
       num_warps, num_stages: Triton launch parameters of the main kernel.
@@ -357,11 +356,11 @@ def _paged_decode(
     if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if pages_per_block is None:
-        # 64 positions per loop step; 128 once the windows alone fill the GPU (no splits): at
-        # 64 windows x 1536 positions (8B shapes, H200) 0.124 ms per call against 0.137 (bf16;
-        # `paged_decode_check.py --sweep-wide 64:1536`, docs/benchmarks.md).
-        rows = 128 if W * K >= _TARGET_PROGRAMS else 64
-        pages_per_block = max(1, rows // page_size)
+        # 64 positions per loop step. At 64 windows x 1536 positions (8B shapes, H200) 128
+        # measured faster alone over shuffled pages (0.124 vs 0.137 ms per call) but slower in
+        # the engine's decode step over its mostly ordered pages (8.51 vs 8.34 ms bf16, 8.59
+        # vs 7.96 with an 8-bit cache; docs/benchmarks.md), so 64 stays.
+        pages_per_block = max(1, 64 // page_size)
     pages_per_block = max(pages_per_block, -(-MIN_DOT // page_size))
     if n_splits is None:
         n_splits = default_splits(W, K, n_ctx_pages, pages_per_block)
