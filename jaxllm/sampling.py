@@ -147,12 +147,20 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: j
     return scaled >= cutoff
 
 
-def _filter_rows(scaled: jax.Array, s: SlotSampling, filters: jax.Array) -> jax.Array:
+def _filter_rows(scaled: jax.Array, s: SlotSampling, filters: jax.Array, branches: str = "select") -> jax.Array:
     """[B, V] allowed ids: `_filter_mask` on the rows that filter, everything elsewhere (a
     row without filters keeps its whole vocabulary whatever its neighbours ask; through the
-    filter with top_p = 1 a peaked row could lose its float32 tail). Every row is still sorted:
-    a `lax.cond` per row inside `lax.map` would skip the others (on a CPU, ~10 ms per row of
-    49k ids) but crashed jax 0.10's CPU compilation cache when it wrote the executable."""
+    filter with top_p = 1 a peaked row could lose its float32 tail). The filter sorts the
+    vocabulary (~10 ms per row of 49k ids on a CPU core), so with "cond" branches (the CPU)
+    rows that do not filter skip it, a `lax.cond` per row; "select" (GPU) filters every row
+    at once. (This form was withdrawn once for a segfault in jax's CPU compilation cache that
+    turned out to be warm-up's parallel compiles, see EngineConfig.compile_threads.)"""
+    if branches == "cond":
+        everything = jnp.ones_like(scaled[0], bool)
+        return jax.lax.map(
+            lambda a: jax.lax.cond(a[0], lambda: _filter_mask(*a[1:]), lambda: everything),
+            (filters, scaled, s.top_k, s.top_p, s.min_p),
+        )
     return jax.vmap(_filter_mask)(scaled, s.top_k, s.top_p, s.min_p) | ~filters[:, None]
 
 
@@ -211,7 +219,7 @@ def sample(
         scaled = processed / jnp.where(is_sampled, s.temperature, 1.0)[:, None]
         filters = is_sampled & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0))
         keep = jax.lax.cond(
-            jnp.any(filters), lambda: _filter_rows(scaled, s, filters), lambda: jnp.ones_like(scaled, bool)
+            jnp.any(filters), lambda: _filter_rows(scaled, s, filters, branches), lambda: jnp.ones_like(scaled, bool)
         ) if full else jnp.ones_like(scaled, bool)
         keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(s.seed, positions)
         noise = jax.vmap(lambda k: jax.random.gumbel(k, (scaled.shape[1],), jnp.float32))(keys)

@@ -160,7 +160,8 @@ def test_plain_decode_calls_draw_what_full_ones_do(tiny_params):
     assert len(set(results[False][1][0])) > 2
 
 
-def test_a_row_without_filters_keeps_its_vocabulary_beside_a_filtering_row():
+@pytest.mark.parametrize("branches", ["cond", "select"])
+def test_a_row_without_filters_keeps_its_vocabulary_beside_a_filtering_row(branches):
     """Filtering runs per row: a row asking no top-k/top-p/min-p keeps every id even when a
     neighbour filters. (Run through the filter with top_p = 1, a near-certain row would lose
     its tail: the float32 cumulative sum reaches 1.0 before the end.)"""
@@ -169,7 +170,7 @@ def test_a_row_without_filters_keeps_its_vocabulary_beside_a_filtering_row():
     scaled = jnp.stack([peaked, jax.random.normal(jax.random.PRNGKey(0), (V,)) * 3])
     s = _rows([PLAIN_DRAW, FILTERED])
     assert not np.asarray(_filter_mask(peaked, jnp.int32(0), jnp.float32(1.0), jnp.float32(0.0))).all()
-    keep = np.asarray(jax.jit(lambda: _filter_rows(scaled, s, jnp.array([False, True])))())
+    keep = np.asarray(jax.jit(lambda: _filter_rows(scaled, s, jnp.array([False, True]), branches))())
     assert keep[0].all()
     np.testing.assert_array_equal(keep[1], _filter_mask(scaled[1], s.top_k[1], s.top_p[1], s.min_p[1]))
     assert 0 < keep[1].sum() <= FILTERED.top_k
