@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 
 import jax
 import pytest
 
-# Compiles in this process skip JAX's persistent cache (servers the tests start still use the
-# one the README's command points them at): jax 0.10.2's CPU executable serializer segfaulted
-# the suite three times while writing an entry from here (`put_executable_and_time` ->
-# `executable.serialize()`, always in an engine warm-up after ~200 earlier tests, never with
-# the same test run alone or in a shorter sequence).
-jax.config.update("jax_enable_compilation_cache", False)
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """Drops JAX's compiled executables after each test module.
+
+    Every loaded CPU executable keeps a few memory mappings (~3 each) and the suite compiles
+    thousands in one process (every engine warm-up compiles each round shape). XLA segfaulted
+    inside a compile or a cache write, always at the same test after ~200 others and never
+    with that test alone: the suspect is Linux's limit of 65,530 mappings (vm.max_map_count).
+    JAXLLM_TEST_MAPS_LOG=path appends the mapping count at each module's end.
+    """
+    yield
+    log = os.environ.get("JAXLLM_TEST_MAPS_LOG")
+    if log:
+        with open(f"/proc/{os.getpid()}/maps") as maps, open(log, "a") as out:
+            out.write(f"{sum(1 for _ in maps)}\n")
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
