@@ -67,9 +67,7 @@ class EngineConfig:
     # reference path; worth it where fused attention runs (GPU), 1 elsewhere.
     chunk_segments: int = 1
     # Threads compiling shape variants during warm-up (XLA compiles release the GIL); 0 = one
-    # per CPU core where the model runs on an accelerator, one on the CPU backend. On the
-    # CPU, jax's persistent compilation cache writing one executable while another thread
-    # compiled crashed the process twice in CI (a segfault in `put_executable_and_time`).
+    # per CPU core.
     compile_threads: int = 0
     # Whether warm-up also runs every compiled round once, on idle inputs (None: where the
     # default backend is not the CPU). On a GPU an executable's first run pays once-only
@@ -356,7 +354,7 @@ class Engine:
         if self.seqs:
             raise RuntimeError("warmup must run on an empty engine")
         variants = self._round_variants()
-        threads = self.config.compile_threads or (1 if jax.default_backend() == "cpu" else os.cpu_count() or 1)
+        threads = self.config.compile_threads or os.cpu_count() or 1
         with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
             # Lowering traces Python (GIL-bound) so it runs here, feeding compiles to the pool.
             futures = {key: pool.submit(lower().compile) for key, lower in variants}

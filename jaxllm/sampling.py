@@ -153,8 +153,7 @@ def _filter_rows(scaled: jax.Array, s: SlotSampling, filters: jax.Array, branche
     filter with top_p = 1 a peaked row could lose its float32 tail). The filter sorts the
     vocabulary (~10 ms per row of 49k ids on a CPU core), so with "cond" branches (the CPU)
     rows that do not filter skip it, a `lax.cond` per row; "select" (GPU) filters every row
-    at once. (This form was withdrawn once for a segfault in jax's CPU compilation cache that
-    turned out to be warm-up's parallel compiles, see EngineConfig.compile_threads.)"""
+    at once."""
     if branches == "cond":
         everything = jnp.ones_like(scaled[0], bool)
         return jax.lax.map(
