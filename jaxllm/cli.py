@@ -20,7 +20,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "xla = XLA's dot everywhere; pallas = the Pallas matvec kernel on GPU")
     p.add_argument("--kv-cache-dtype", default="auto", type=_kv_dtype, metavar="{auto,fp8}",
                    help="K/V cache element type: auto = the model's dtype; fp8 (float8_e4m3fn) halves a bfloat16 "
-                        "cache's bytes and decode reads, and changes outputs slightly")
+                        "cache's bytes and decode reads; the rounding changes outputs (docs/benchmarks.md)")
 
 
 def _kv_dtype(name: str) -> str:

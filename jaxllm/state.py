@@ -66,11 +66,13 @@ def layout_for_budget(
 
 def to_kv_dtype(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Keys or values rounded to the cache's element type. 8-bit floats saturate at their
-    largest finite value: float8_e4m3fn has no infinity, so an overflow would be nan."""
+    largest finite value: float8_e4m3fn has no infinity, so an overflow would be nan. The
+    clip runs in float32 (exact for any input type), which is also the form the Pallas
+    decode kernel lowers to Triton for its own writes."""
     dtype = jnp.dtype(dtype)
     if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
         top = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x, -top, top)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
     return x.astype(dtype)
 
 

@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxllm.pallas_triton import MIN_DOT, compiler_params, plgpu, whole_block
+from jaxllm.state import to_kv_dtype
 
 _MASKED = -1e30  # finite: exp(_MASKED - m) is 0 without inf - inf = nan
 _TARGET_PROGRAMS = 256  # ~2 programs per SM on an H200 (132 SMs): measured best for W = 8
@@ -52,15 +53,6 @@ def default_splits(n_windows: int, n_kv_heads: int, n_ctx_pages: int, pages_per_
 
 def _cdiv(a: jax.Array, b: int) -> jax.Array:
     return lax.div(a + (b - 1), b)
-
-
-def _saturate(x: jax.Array, dtype) -> jax.Array:
-    """`x` in the pool's type; 8-bit floats clip to their largest finite value first (like
-    `jaxllm.state.to_kv_dtype`: float8_e4m3fn has no infinity)."""
-    if jnp.dtype(dtype).itemsize == 1:
-        top = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x.astype(jnp.float32), -top, top)
-    return x.astype(dtype)
 
 
 def _rotate(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -126,7 +118,7 @@ def _decode_kernel(
         return x.astype(jnp.float32).astype(dtype) if narrow else x
 
     def through_pool(x):
-        return widen(_saturate(x, k_ref.dtype)) if narrow else x
+        return widen(to_kv_dtype(x, k_ref.dtype)) if narrow else x
     q_off, k_off, v_off = offsets
     # The kv head's G query heads, padded to gp rows with zeros (masked, never read past H).
     head_live = lax.broadcasted_iota(jnp.int32, (gp,), 0) < group
@@ -192,7 +184,7 @@ def _decode_kernel(
         at = (w, pl.ds(h, 1))
         for ref, col, val in ((k_out, 0, k1), (k_out, half, k2), (v_out, 0, v_fresh)):
             width = val.shape[1]
-            plgpu.store(ref.at[(*at, pl.ds(col, width))], _saturate(val, ref.dtype),
+            plgpu.store(ref.at[(*at, pl.ds(col, width))], to_kv_dtype(val, ref.dtype),
                         mask=jnp.broadcast_to(s == 0, (1, width)))
     v_fresh = v_fresh.astype(f32)
     first = s == 0
