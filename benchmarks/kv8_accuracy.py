@@ -1,10 +1,10 @@
 """How far an 8-bit K/V cache moves the default model's predictions (CPU is fine).
 
-For a few chat prompts: the float32-cache model's greedy continuation, then both caches'
-logits at every continuation position (teacher forcing: both see the same tokens). Prints
-top-1 agreement and KL(float32 || 8-bit) of the next-token distributions.
+For a few chat prompts: the model's greedy continuation with its own-dtype cache, then both
+caches' logits at every continuation position (teacher forcing: both see the same tokens).
+Prints top-1 agreement and KL(wide || 8-bit) of the next-token distributions.
 
-    python benchmarks/kv8_accuracy.py [--model smollm2] [--tokens 64]
+    python benchmarks/kv8_accuracy.py [--model smollm2] [--dtype float32|bfloat16] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (the wide cache's too)")
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    model = jx.load(args.model)
+    model = jx.load(args.model, dtype=args.dtype)
     narrow = dataclasses.replace(model, cfg=model.cfg.replace(kv_dtype="float8_e4m3fn"))
     agree = total = 0
     kl: list[float] = []
@@ -48,8 +49,8 @@ def main() -> None:
         agree += int((wide_lp.argmax(-1) == narrow_lp.argmax(-1)).sum())
         total += len(out)
         kl += list((np.exp(wide_lp) * (wide_lp - narrow_lp)).sum(-1))
-    print(f"{args.model}: top-1 agreement {agree}/{total} = {agree / total:.3f}; "
-          f"KL(float32 || 8-bit) mean {np.mean(kl):.4f}, max {np.max(kl):.4f} nats")
+    print(f"{args.model} ({args.dtype}): top-1 agreement {agree}/{total} = {agree / total:.3f}; "
+          f"KL({args.dtype} || 8-bit) mean {np.mean(kl):.4f}, max {np.max(kl):.4f} nats")
 
 
 if __name__ == "__main__":

@@ -53,13 +53,11 @@ def run_bench(args: argparse.Namespace) -> int:
     concurrency = _parse_concurrency(args.concurrency)
     if args.prompt_tokens < 1 or args.decode_tokens < 2:
         raise ValueError("--prompt-tokens must be >= 1 and --decode-tokens >= 2")
-    from jaxllm.api import load
+    from jaxllm.cli import load_from_args
 
     log = _stderr_logger(quiet=False)
     log(f"loading {args.model} ({args.dtype})")
-    model = load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
-                 decode_attention=args.decode_attention,
-                 decode_matmul=args.decode_matmul, kv_dtype=args.kv_cache_dtype)
+    model = load_from_args(args)
     log("timing one pass over the weights")
     bandwidth = measure_bandwidth(model.params, repeats=max(5, args.repeats))
     runs = [bench_engine(model, c, args, log) for c in concurrency]

@@ -23,6 +23,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "cache's bytes and decode reads; the rounding changes outputs (docs/benchmarks.md)")
 
 
+def load_from_args(args: argparse.Namespace):
+    """The model `add_model_args`' options name (a `jaxllm.api.Model`)."""
+    from jaxllm.api import load
+
+    return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
+                decode_attention=args.decode_attention,
+                decode_matmul=args.decode_matmul, kv_dtype=args.kv_cache_dtype)
+
+
 def _kv_dtype(name: str) -> str:
     """--kv-cache-dtype: vLLM's spellings onto ModelConfig.kv_dtype."""
     known = {"auto": "auto", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
@@ -46,12 +55,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from jaxllm.api import load
     from jaxllm.sampling import SamplingParams
 
-    model = load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
-                 decode_attention=args.decode_attention,
-                 decode_matmul=args.decode_matmul, kv_dtype=args.kv_cache_dtype)
+    model = load_from_args(args)
     if args.chat:
         ids = model.chat_ids([{"role": "user", "content": args.prompt}])
     else:

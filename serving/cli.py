@@ -68,14 +68,10 @@ def use_compile_cache(setting: str | None) -> str | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from jaxllm.api import load
-
     use_compile_cache(args.compile_cache)
 
     def loader():
-        return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
-                    decode_attention=args.decode_attention,
-                    decode_matmul=args.decode_matmul, kv_dtype=args.kv_cache_dtype)
+        return runtime_cli.load_from_args(args)
 
     name = args.served_model_name or Path(args.model).stem
     return serve(loader, model_name=name, host=args.host, port=args.port, config=args.config, api_key=args.api_key,
