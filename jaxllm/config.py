@@ -90,7 +90,8 @@ class ModelConfig:
     # in 8 bits (vLLM's `--kv-cache-dtype fp8`, unscaled: values saturate at +-448). Decode
     # at many slots reads more K/V than weights, so this halves a bfloat16 step's largest
     # read and doubles the positions a memory budget holds; attention still computes in
-    # `dtype` (each path widens what it reads), and the rounding changes the outputs.
+    # `dtype` (each path widens what it reads; the GPU decode kernel multiplies an 8-bit pool
+    # in float16 under a 16-bit model, exactly), and the rounding changes the outputs.
     kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -109,13 +109,20 @@ def _decode_kernel(
     # Both halves of every row apart: RoPE pairs them, so the dots run per half.
     lo, hi = pl.ds(h * head_dim, half), pl.ds(h * head_dim + half, half)
     gp = m_ref.shape[0]
-    # `dtype` is the model's: an 8-bit pool is widened to it as each block loads, and the
+    # `dtype` is the model's: an 8-bit pool is widened as each block loads, and the
     # fresh k and v are rounded through the pool's type, so this step attends to them as
     # later steps will read them from the cache (as the jnp reference does).
     narrow = k_ref.dtype != dtype
+    # The dots' operand type. An 8-bit pool under a 16-bit model multiplies in float16: every
+    # float8_e4m3fn value is a float16 value (one packed conversion on the GPU, where
+    # bfloat16 took two through float32), and so is every bfloat16 query in float16's normal
+    # range (queries are clipped to its largest value); probabilities round to float16.
+    # On an H200 this took the 64-wide 8B step with an 8-bit cache to 7.69 ms against 8.22
+    # with bfloat16 on one machine (7.93 vs 8.31 on another through float32 and bfloat16).
+    dot_dtype = jnp.float16 if narrow and jnp.dtype(dtype).itemsize == 2 else dtype
 
-    def widen(x):  # through float32: the conversion every Triton target has from 8 bits
-        return x.astype(jnp.float32).astype(dtype) if narrow else x
+    def widen(x):
+        return x.astype(dot_dtype) if narrow else x
 
     def through_pool(x):
         return widen(to_kv_dtype(x, k_ref.dtype)) if narrow else x
@@ -150,6 +157,9 @@ def _decode_kernel(
         q1, q2, k1, k2 = (a.astype(dtype) for a in (q1, q2, k1, k2))
     k1, k2 = through_pool(k1), through_pool(k2)
     dims = (((1,), (1,)), ((), ()))  # q @ k.T
+    f16_max = float(jnp.finfo(jnp.float16).max)
+    q1d, q2d = ((jnp.clip(x.astype(jnp.float32), -f16_max, f16_max).astype(dot_dtype) for x in (q1, q2))
+                if dot_dtype != dtype else (q1, q2))
 
     def body(b, carry):
         o, m, l = carry
@@ -160,8 +170,8 @@ def _decode_kernel(
         # Dead rows (past cached_len) read the trash page: cached, so no HBM traffic.
         page = jnp.where(live, page, _TRASH_PAGE)
         rows = layer_base + page * page_size + lax.rem(pos, page_size)
-        logits = lax.dot_general(q1, widen(k_ref[rows, lo]), dims, precision=precision, preferred_element_type=jnp.float32)
-        logits += lax.dot_general(q2, widen(k_ref[rows, hi]), dims, precision=precision, preferred_element_type=jnp.float32)
+        logits = lax.dot_general(q1d, widen(k_ref[rows, lo]), dims, precision=precision, preferred_element_type=jnp.float32)
+        logits += lax.dot_general(q2d, widen(k_ref[rows, hi]), dims, precision=precision, preferred_element_type=jnp.float32)
         logits = jnp.where(live[None, :], logits * scale, _MASKED)
         m_new = jnp.maximum(m, logits.max(axis=1))
         correction = jnp.exp(m - m_new)

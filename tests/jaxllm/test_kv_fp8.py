@@ -119,6 +119,23 @@ def test_decode_paths_over_an_fp8_cache_match_numpy():
     np.testing.assert_allclose(kernel, want, rtol=1e-5, atol=1e-5)
 
 
+def test_kernel_over_an_fp8_cache_with_bfloat16_queries():
+    """A 16-bit model's kernel multiplies an 8-bit pool in float16: within bfloat16's
+    rounding of the oracle on the same (bfloat16) queries, and finite for queries past
+    float16's range (clipped to it)."""
+    rng, cached, pages, k_pages, v_pages = _decode_inputs(2)
+    W = len(cached)
+    q = jnp.asarray(rng.normal(size=(W, H, DH)), jnp.bfloat16)
+    k_new, v_new = _fp8(rng, (W, K, DH)), _fp8(rng, (W, K, DH))
+    args = (k_new, v_new, k_pages, v_pages, jnp.asarray(pages), jnp.asarray(cached))
+    got = paged_decode_attention(q, *args, interpret=True, pages_per_block=4)
+    assert got.dtype == jnp.bfloat16
+    want = _decode_oracle(_wide(q.astype(jnp.float32)), _wide(k_new), _wide(v_new), k_pages, v_pages, pages, cached)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
+    huge = paged_decode_attention(q * 1e6, *args, interpret=True, pages_per_block=4)
+    assert np.isfinite(np.asarray(huge, np.float32)).all()
+
+
 def _rotate_half(x: np.ndarray, angles: np.ndarray) -> np.ndarray:
     half = x.shape[-1] // 2
     cos, sin = np.cos(angles), np.sin(angles)
