@@ -6,6 +6,10 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxllm.api import Model
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,8 +27,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "cache's bytes and decode reads; the rounding changes outputs (docs/benchmarks.md)")
 
 
-def load_from_args(args: argparse.Namespace):
-    """The model `add_model_args`' options name (a `jaxllm.api.Model`)."""
+def load_from_args(args: argparse.Namespace) -> Model:
+    """The model that `add_model_args`' options name."""
     from jaxllm.api import load
 
     return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
