@@ -127,7 +127,13 @@ def prompt_logits(params: Params, cfg: ModelConfig, ids: jax.Array) -> jax.Array
         decode=Windows(slot=zero, start=zero, length=zero),
         chunks=Windows(slot=zero, start=zero, length=jnp.full((1,), T, jnp.int32)),
     )
-    hidden, _, _ = forward(params, cfg, batch, state.kv, page_table, chunk_len=T, n_ctx_pages=n_pages)
+    if cfg.is_hybrid:
+        from jaxllm.model.hybrid import hybrid_forward
+
+        hidden, *_ = hybrid_forward(params, cfg, batch, state.kv, state.recurrent, page_table, chunk_len=T,
+                                    n_ctx_pages=n_pages)
+    else:
+        hidden, _, _ = forward(params, cfg, batch, state.kv, page_table, chunk_len=T, n_ctx_pages=n_pages)
     return lm_head(params, hidden)
 
 

@@ -50,6 +50,9 @@ class MoeParams:
     w_gate: jax.Array  # [L, E, D, F]
     w_up: jax.Array  # [L, E, D, F]
     w_down: jax.Array  # [L, E, F, D]
+    # Qwen3-Next / Qwen3.5: a shared expert every token takes, scaled by sigmoid(x . gate).
+    shared: DenseMlpParams | None = None  # [L, D, Fs] / [L, Fs, D]
+    shared_gate: jax.Array | None = None  # [L, D]
 
 
 @struct.dataclass
@@ -61,13 +64,76 @@ class LayerParams:
 
 
 @struct.dataclass
+class GatedAttentionParams:
+    """Full-attention mixer of the hybrid family: q/k norms, partial RoPE and a per-head
+    output gate (sigmoid) computed from the same input as q."""
+
+    wq: jax.Array  # [L, D, H, Dh]
+    w_gate: jax.Array  # [L, D, H, Dh]
+    wk: jax.Array  # [L, D, K, Dh]
+    wv: jax.Array  # [L, D, K, Dh]
+    wo: jax.Array  # [L, H, Dh, D]
+    q_norm: jax.Array  # [L, Dh]
+    k_norm: jax.Array  # [L, Dh]
+
+
+@struct.dataclass
+class DeltaNetParams:
+    """Gated DeltaNet mixer (linear attention). C = 2 Hk Dk + Hv Dv conv channels (q, k, v)."""
+
+    w_qkv: jax.Array  # [L, D, C]
+    w_z: jax.Array  # [L, D, Hv, Dv]   output gate of the gated RMSNorm
+    w_b: jax.Array  # [L, D, Hv]       beta = sigmoid(x . w_b)
+    w_a: jax.Array  # [L, D, Hv]       decay input
+    conv: jax.Array  # [L, C, Kc]      depthwise causal conv
+    dt_bias: jax.Array  # [L, Hv]
+    a_log: jax.Array  # [L, Hv]        g = -exp(a_log) * softplus(x . w_a + dt_bias)
+    norm: jax.Array  # [L, Dv]         gated RMSNorm scale
+    w_out: jax.Array  # [L, Hv, Dv, D]
+
+
+@struct.dataclass
+class HybridBlockParams:
+    """The blocks of one layer kind, stacked on a leading axis in layer order."""
+
+    attn_norm: jax.Array  # [n, D]
+    mixer: DeltaNetParams | GatedAttentionParams
+    mlp_norm: jax.Array  # [n, D]
+    mlp: DenseMlpParams | MoeParams
+
+
+@struct.dataclass
+class HybridLayers:
+    """Layers of a hybrid model by kind (see `ModelConfig.layer_types`). The forward scans
+    over repeating groups of `layer_period` layers, so each kind's stack is reshaped to
+    [groups, per-group, ...] there."""
+
+    linear: HybridBlockParams | None  # Gated DeltaNet blocks
+    full: HybridBlockParams  # gated attention blocks
+
+
+@struct.dataclass
+class MtpParams:
+    """A multi-token-prediction head: fc(concat(norm(embed(next token)), norm(hidden))) then
+    one full-attention block and a final norm; the lm_head is the model's."""
+
+    fc: jax.Array  # [2D, D]   input: [embedding ; hidden]
+    norm_embedding: jax.Array  # [D]
+    norm_hidden: jax.Array  # [D]
+    block: HybridBlockParams  # stacked over the MTP layers
+    final_norm: jax.Array  # [D]
+
+
+@struct.dataclass
 class Params:
     embed: jax.Array  # [V, D]
     # Stacked on a leading L axis (for lax.scan), or a tuple of per-layer params (for unrolled
     # layers: slicing a stacked weight inside the step makes XLA copy it on every call).
-    layers: LayerParams | tuple[LayerParams, ...]
+    # Hybrid models stack each layer kind apart (`HybridLayers`).
+    layers: LayerParams | tuple[LayerParams, ...] | HybridLayers
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to embed
+    mtp: MtpParams | None = None
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -89,20 +155,63 @@ def param_shapes(cfg: ModelConfig) -> Params:
         q_norm=s(L, Dh) if cfg.qk_norm else None,
         k_norm=s(L, Dh) if cfg.qk_norm else None,
     )
-    if cfg.is_moe:
-        E, F = cfg.n_experts, cfg.moe_ffn_dim
-        mlp: DenseMlpParams | MoeParams = MoeParams(
-            router=s(L, D, E), w_gate=s(L, E, D, F), w_up=s(L, E, D, F), w_down=s(L, E, F, D)
+    if cfg.is_hybrid:
+        return Params(
+            embed=s(V, D),
+            layers=_hybrid_shapes(cfg, s),
+            final_norm=s(D),
+            lm_head=None if cfg.tie_embeddings else s(D, V),
+            mtp=_mtp_shapes(cfg, s) if cfg.mtp_layers else None,
         )
-    else:
-        F = cfg.ffn_dim
-        mlp = DenseMlpParams(w_gate=s(L, D, F), w_up=s(L, D, F), w_down=s(L, F, D))
-    layers = LayerParams(attn_norm=s(L, D), attn=attn, mlp_norm=s(L, D), mlp=mlp)
+    layers = LayerParams(attn_norm=s(L, D), attn=attn, mlp_norm=s(L, D), mlp=_mlp_shapes(cfg, L, s))
     return Params(
         embed=s(V, D),
         layers=layers,
         final_norm=s(D),
         lm_head=None if cfg.tie_embeddings else s(D, V),
+    )
+
+
+def _mlp_shapes(cfg: ModelConfig, L: int, s: Callable[..., jax.ShapeDtypeStruct]) -> DenseMlpParams | MoeParams:
+    D = cfg.d_model
+    if not cfg.is_moe:
+        F = cfg.ffn_dim
+        return DenseMlpParams(w_gate=s(L, D, F), w_up=s(L, D, F), w_down=s(L, F, D))
+    E, F, Fs = cfg.n_experts, cfg.moe_ffn_dim, cfg.shared_expert_ffn_dim
+    shared = DenseMlpParams(w_gate=s(L, D, Fs), w_up=s(L, D, Fs), w_down=s(L, Fs, D)) if Fs else None
+    return MoeParams(
+        router=s(L, D, E), w_gate=s(L, E, D, F), w_up=s(L, E, D, F), w_down=s(L, E, F, D),
+        shared=shared, shared_gate=s(L, D) if Fs else None,
+    )
+
+
+def _attention_block_shapes(cfg: ModelConfig, n: int, s: Callable[..., jax.ShapeDtypeStruct]) -> HybridBlockParams:
+    D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    mixer = GatedAttentionParams(
+        wq=s(n, D, H, Dh), w_gate=s(n, D, H, Dh), wk=s(n, D, K, Dh), wv=s(n, D, K, Dh), wo=s(n, H, Dh, D),
+        q_norm=s(n, Dh), k_norm=s(n, Dh),
+    )
+    return HybridBlockParams(attn_norm=s(n, D), mixer=mixer, mlp_norm=s(n, D), mlp=_mlp_shapes(cfg, n, s))
+
+
+def _hybrid_shapes(cfg: ModelConfig, s: Callable[..., jax.ShapeDtypeStruct]) -> HybridLayers:
+    D, Hv, Dv, n = cfg.d_model, cfg.linear_n_v_heads, cfg.linear_v_dim, cfg.n_linear_layers
+    linear = None
+    if n:
+        mixer = DeltaNetParams(
+            w_qkv=s(n, D, cfg.conv_dim), w_z=s(n, D, Hv, Dv), w_b=s(n, D, Hv), w_a=s(n, D, Hv),
+            conv=s(n, cfg.conv_dim, cfg.conv_kernel), dt_bias=s(n, Hv), a_log=s(n, Hv), norm=s(n, Dv),
+            w_out=s(n, Hv, Dv, D),
+        )
+        linear = HybridBlockParams(attn_norm=s(n, D), mixer=mixer, mlp_norm=s(n, D), mlp=_mlp_shapes(cfg, n, s))
+    return HybridLayers(linear=linear, full=_attention_block_shapes(cfg, cfg.n_kv_layers, s))
+
+
+def _mtp_shapes(cfg: ModelConfig, s: Callable[..., jax.ShapeDtypeStruct]) -> MtpParams:
+    D = cfg.d_model
+    return MtpParams(
+        fc=s(2 * D, D), norm_embedding=s(D), norm_hidden=s(D),
+        block=_attention_block_shapes(cfg, cfg.mtp_layers, s), final_norm=s(D),
     )
 
 
@@ -123,8 +232,9 @@ def cast_params(params: Params, dtype: str) -> Params:
 
 
 def unstack_layers(params: Params) -> Params:
-    """Stacked layers -> a tuple of per-layer params (the unrolled layout)."""
-    if isinstance(params.layers, tuple):
+    """Stacked layers -> a tuple of per-layer params (the unrolled layout). Hybrid layers
+    always stay stacked (they run scanned in groups of `layer_period`)."""
+    if isinstance(params.layers, (tuple, HybridLayers)):
         return params
     n = jax.tree.leaves(params.layers)[0].shape[0]
     layers = tuple(jax.tree.map(lambda w, i=i: w[i], params.layers) for i in range(n))
@@ -140,6 +250,8 @@ def stack_layers(params: Params) -> Params:
 
 def _map_layers(fn: Callable[[LayerParams], LayerParams], params: Params) -> Params:
     layers = params.layers
+    if isinstance(layers, HybridLayers):  # no fused layout (yet) for hybrid blocks
+        return params
     return params.replace(layers=tuple(map(fn, layers)) if isinstance(layers, tuple) else fn(layers))
 
 

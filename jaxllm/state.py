@@ -40,7 +40,25 @@ class StateLayout:
 
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int) -> int:
-    return 2 * cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * cfg.kv_jnp_dtype.itemsize
+    return 2 * cfg.n_kv_layers * page_size * cfg.n_kv_heads * cfg.head_dim * cfg.kv_jnp_dtype.itemsize
+
+
+def recurrent_shapes(cfg: ModelConfig, rows: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Shapes of the linear-attention layers' conv window and delta-rule matrix for `rows`
+    sequences ([Ll, rows, Kc - 1, C], [Ll, rows, Hv, Dk, Dv]); None without such layers."""
+    if not cfg.n_linear_layers:
+        return None
+    Ll = cfg.n_linear_layers
+    return (
+        (Ll, rows, cfg.conv_kernel - 1, cfg.conv_dim),
+        (Ll, rows, cfg.linear_n_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
+    )
+
+
+def recurrent_bytes_per_sequence(cfg: ModelConfig) -> int:
+    """Fixed bytes of one sequence's recurrent state (float32), whatever its length."""
+    shapes = recurrent_shapes(cfg, 1)
+    return 0 if shapes is None else 4 * sum(math.prod(s) for s in shapes)
 
 
 def layout_for_budget(
@@ -83,6 +101,15 @@ class KVCache:
 
 
 @struct.dataclass
+class RecurrentState:
+    """Per-slot state of the linear-attention (Gated DeltaNet) layers, float32. Row B is a
+    trash row like the page table's: padding and idle rows write there."""
+
+    conv: jax.Array  # [Ll, B + 1, Kc - 1, C]: the causal conv's last inputs
+    delta: jax.Array  # [Ll, B + 1, Hv, Dk, Dv]: the delta-rule matrix
+
+
+@struct.dataclass
 class SlotSampling:
     """Sampling parameters, one row per slot (see `jaxllm.sampling.SamplingParams`)."""
 
@@ -111,6 +138,7 @@ class DecodeState:
     seen: jax.Array  # [B, V] bool: tokens in prompt or output (repetition penalty)
     out_counts: jax.Array  # [B, V] i32: output token counts (presence/frequency penalties)
     sampling: SlotSampling
+    recurrent: RecurrentState | None = None  # hybrid models only
 
 
 @struct.dataclass
@@ -125,6 +153,9 @@ class SeqCheckpoint:
     done: jax.Array  # [] bool
     seen: jax.Array  # [V] bool
     out_counts: jax.Array  # [V] i32
+    # Hybrid models: the recurrent state after exactly `length` positions.
+    conv: jax.Array | None = None  # [Ll, Kc - 1, C] f32
+    delta: jax.Array | None = None  # [Ll, Hv, Dk, Dv] f32
 
     @property
     def n_pages(self) -> int:
@@ -155,7 +186,11 @@ def empty_sampling(B: int, V: int) -> SlotSampling:
 def init_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
     """Allocates a zeroed decode state (call under jit to build it on device)."""
     B, V = layout.max_slots, cfg.vocab_size
-    kv_shape = (cfg.n_layers, layout.n_pages, layout.page_size, cfg.n_kv_heads, cfg.head_dim)
+    kv_shape = (cfg.n_kv_layers, layout.n_pages, layout.page_size, cfg.n_kv_heads, cfg.head_dim)
+    shapes = recurrent_shapes(cfg, B + 1)
+    recurrent = None if shapes is None else RecurrentState(
+        conv=jnp.zeros(shapes[0], jnp.float32), delta=jnp.zeros(shapes[1], jnp.float32)
+    )
     return DecodeState(
         kv=KVCache(k=jnp.zeros(kv_shape, cfg.kv_jnp_dtype), v=jnp.zeros(kv_shape, cfg.kv_jnp_dtype)),
         page_table=jnp.full((B + 1, layout.max_pages_per_seq), TRASH_PAGE, jnp.int32),
@@ -166,6 +201,7 @@ def init_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
         seen=jnp.zeros((B, V), bool),
         out_counts=jnp.zeros((B, V), jnp.int32),
         sampling=empty_sampling(B, V),
+        recurrent=recurrent,
     )
 
 

@@ -21,10 +21,11 @@ from flax import struct
 from jaxllm.attention.reference import Windows
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import TokenBatch, forward, lm_head
+from jaxllm.model.hybrid import hybrid_forward
 from jaxllm.model.kernel_choice import matmul_kernel, sampler_branches
 from jaxllm.params import Params
 from jaxllm.sampling import sample
-from jaxllm.state import DecodeState, KVCache, SeqCheckpoint, SlotSampling, StateLayout, init_state
+from jaxllm.state import DecodeState, KVCache, RecurrentState, SeqCheckpoint, SlotSampling, StateLayout, init_state
 
 
 @struct.dataclass
@@ -104,9 +105,16 @@ def _round(
         decode=Windows(slot=rows[d], start=rows[d], length=decoding[d].astype(jnp.int32)),
         chunks=Windows(slot=chunk.seg_slot, start=Wd + chunk.seg_start, length=chunk.seg_len),
     )
-    hidden, kv, experts = forward(
-        params, cfg, batch, state.kv, state.page_table, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages
-    )
+    if cfg.is_hybrid:
+        hidden, kv, recurrent, experts = hybrid_forward(
+            params, cfg, batch, state.kv, state.recurrent, state.page_table, chunk_len=chunk_len,
+            n_ctx_pages=n_ctx_pages,
+        )
+    else:
+        hidden, kv, experts = forward(
+            params, cfg, batch, state.kv, state.page_table, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages
+        )
+        recurrent = state.recurrent
 
     # Which flat row gives each slot its next token: its decode token, or its last prompt token.
     seg_last = Wd + chunk.seg_start + chunk.seg_len - 1
@@ -136,6 +144,7 @@ def _round(
 
     new_state = state.replace(
         kv=kv,
+        recurrent=recurrent,
         lengths=lengths,
         last_token=tokens,
         n_generated=n_generated,
@@ -219,7 +228,11 @@ def decode_steps(
 def set_slot(state: DecodeState, slot: jax.Array, pages: jax.Array, row: SlotSampling) -> DecodeState:
     """Gives `slot` a fresh sequence: its page row, sampling row, zeroed counters."""
     sampling = jax.tree.map(lambda table, value: table.at[slot].set(value), state.sampling, row)
+    recurrent = state.recurrent
+    if recurrent is not None:  # a fresh sequence starts from a zero recurrent state
+        recurrent = jax.tree.map(lambda x: x.at[:, slot].set(0), recurrent)
     return state.replace(
+        recurrent=recurrent,
         page_table=state.page_table.at[slot].set(pages),
         lengths=state.lengths.at[slot].set(0),
         last_token=state.last_token.at[slot].set(0),
@@ -253,6 +266,8 @@ def extract(state: DecodeState, slot: jax.Array, *, n_pages: int) -> SeqCheckpoi
         done=state.done[slot],
         seen=state.seen[slot],
         out_counts=state.out_counts[slot],
+        conv=None if state.recurrent is None else state.recurrent.conv[:, slot],
+        delta=None if state.recurrent is None else state.recurrent.delta[:, slot],
     )
 
 
@@ -262,7 +277,13 @@ def insert(state: DecodeState, slot: jax.Array, ckpt: SeqCheckpoint) -> DecodeSt
     n = ckpt.k.shape[1]
     pages = state.page_table[slot, :n]
     # Pages past the checkpoint's length may be the trash page (a shorter reservation).
+    recurrent = state.recurrent
+    if recurrent is not None:
+        recurrent = RecurrentState(
+            conv=recurrent.conv.at[:, slot].set(ckpt.conv), delta=recurrent.delta.at[:, slot].set(ckpt.delta)
+        )
     return state.replace(
+        recurrent=recurrent,
         kv=KVCache(k=state.kv.k.at[:, pages].set(ckpt.k), v=state.kv.v.at[:, pages].set(ckpt.v)),
         lengths=state.lengths.at[slot].set(ckpt.length),
         last_token=state.last_token.at[slot].set(ckpt.last_token),

@@ -16,7 +16,24 @@ from typing import Any
 
 import numpy as np
 
-FAMILIES = ("llama", "llama3-rope-scaled", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "llama3-rope-scaled", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text",
+            "qwen3_5_text")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_text")
+
+# The hybrid family at toy sizes: two groups of (DeltaNet, gated attention) so the group scan
+# and each kind's stacking order matter; two value heads per key head; partial RoPE.
+_HYBRID: dict[str, Any] = dict(
+    layer_types=["linear_attention", "full_attention"] * 2,
+    num_hidden_layers=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    partial_rotary_factor=0.25,
+)
+_HYBRID_MOE: dict[str, Any] = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                                   num_experts_per_tok=2)
 
 # Small but not degenerate: GQA (4 query heads on 2 kv heads), ffn rows a multiple of 32
 # so Q8_0 / Q4_0 blocks fit, two layers so stacking order matters.
@@ -61,6 +78,16 @@ def _config(family: str, overrides: dict[str, Any]) -> Any:
         cls = transformers.Qwen3MoeConfig
         kw.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                   decoder_sparse_step=1, mlp_only_layers=[])
+    elif family == "qwen3_next":
+        cls = transformers.Qwen3NextConfig
+        kw.update(_HYBRID, **_HYBRID_MOE, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif family == "qwen3_5_moe_text":
+        cls = transformers.Qwen3_5MoeTextConfig
+        kw.update(_HYBRID, **_HYBRID_MOE)
+        kw.pop("intermediate_size")
+    elif family == "qwen3_5_text":
+        cls = transformers.Qwen3_5TextConfig
+        kw.update(_HYBRID)
     else:
         raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(FAMILIES)}")
     kw.update(overrides)
@@ -69,6 +96,8 @@ def _config(family: str, overrides: dict[str, Any]) -> Any:
     if scaling is not None or "rope_parameters" not in kw:
         params = dict(scaling or {"rope_type": "default"})
         params.setdefault("rope_theta", kw["rope_theta"])
+        if "partial_rotary_factor" in kw:
+            params["partial_rotary_factor"] = kw["partial_rotary_factor"]
         kw["rope_parameters"] = params
         kw["rope_scaling"] = params  # transformers 4.x spelling; 5.x aliases it
     return cls(**kw)

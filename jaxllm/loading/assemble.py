@@ -19,12 +19,23 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.params import Params, check_params, param_shapes
 
-# Leaves whose first axes are (L, E): per-expert tensors.
-_EXPERT_KEYS = ("layers.mlp.w_gate", "layers.mlp.w_up", "layers.mlp.w_down")
+# Routed experts' leaves (their first axes are (layers, E)); shared experts are dense.
+_EXPERT_SUFFIXES = (".mlp.w_gate", ".mlp.w_up", ".mlp.w_down")
 
 
 def _dotted(path: tuple) -> str:
     return ".".join(k.name for k in path)
+
+
+def _stacked_axes(key: str, cfg: ModelConfig) -> int:
+    """How many leading axes of a leaf are indexed by (layer[, expert]) rather than stored whole.
+
+    "layers.*" leaves and the MTP block's are stacked over their layers; a hybrid model
+    stacks each layer kind apart, so a loader's layer index is the index within its kind.
+    """
+    if not (key.startswith("layers.") or key.startswith("mtp.block.")):
+        return 0
+    return 2 if cfg.is_moe and key.endswith(_EXPERT_SUFFIXES) else 1
 
 
 class ParamAssembler:
@@ -44,13 +55,7 @@ class ParamAssembler:
         for key, (_, sds) in zip(self._order, leaves):
             # np.empty is lazy (untouched pages cost nothing until written).
             self._buffers[key] = np.empty(sds.shape, dtype=sds.dtype)
-            if key in _EXPERT_KEYS and cfg.is_moe:
-                mask_shape: tuple[int, ...] = (cfg.n_layers, cfg.n_experts)
-            elif key.startswith("layers."):
-                mask_shape = (cfg.n_layers,)
-            else:
-                mask_shape = ()
-            self._filled[key] = np.zeros(mask_shape, dtype=bool)
+            self._filled[key] = np.zeros(sds.shape[: _stacked_axes(key, cfg)], dtype=bool)
 
     def wants(self, key: str) -> bool:
         """Whether the config has a leaf `key` (e.g. False for "lm_head" when tied)."""
@@ -72,15 +77,16 @@ class ParamAssembler:
         if key not in self._buffers:
             raise ValueError(f"tensor {key!r} is not part of a {self.cfg.family} model with this config")
         index: tuple[int, ...] = ()
-        if key.startswith("layers."):
-            if layer is None or not 0 <= layer < self.cfg.n_layers:
-                raise ValueError(f"tensor {key!r}: layer {layer} out of range 0..{self.cfg.n_layers - 1}")
+        buf = self._buffers[key]
+        if _stacked_axes(key, self.cfg):
+            n_layers = buf.shape[0]
+            if layer is None or not 0 <= layer < n_layers:
+                raise ValueError(f"tensor {key!r}: layer {layer} out of range 0..{n_layers - 1}")
             index = (layer,)
             if expert is not None:
                 if not 0 <= expert < self.cfg.n_experts:
                     raise ValueError(f"tensor {key!r}: expert {expert} out of range 0..{self.cfg.n_experts - 1}")
                 index = (layer, expert)
-        buf = self._buffers[key]
         want = buf.shape[len(index):]
         if tuple(value.shape) != tuple(want):
             where = f" (layer {layer}" + (f", expert {expert})" if expert is not None else ")") if index else ""

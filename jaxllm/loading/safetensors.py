@@ -19,9 +19,13 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig, config_from_hf
 from jaxllm.loading.assemble import ParamAssembler, heads_bias, heads_in, heads_out, linear
+from jaxllm.loading.hf_hybrid import centred, hybrid_layer_tensor, mtp_tensor
 from jaxllm.params import Params
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Multimodal wrappers (Qwen3.5) keep the language model under model.language_model.*.
+_WRAPPED = re.compile(r"^model\.language_model\.")
+_VISION = re.compile(r"^(model\.)?visual\.")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Buffers some exporters save that carry no weights.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -45,13 +49,13 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
     with open(path) as f:
         hf = json.load(f)
-    if hf.get("model_type") == "qwen3_moe":
+    if hf.get("model_type") in ("qwen3_moe", "qwen3_next"):
         # transformers 5 writes `num_local_experts`; 4.x wrote `num_experts`.
         if "num_experts" not in hf and "num_local_experts" in hf:
             hf["num_experts"] = hf["num_local_experts"]
         # Our params stack identical MoE layers; interleaved dense MLP layers would not fit.
         if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError("qwen3_moe checkpoints with dense MLP layers (mlp_only_layers / decoder_sparse_step) are not supported")
+            raise ValueError(f"{hf['model_type']} checkpoints with dense MLP layers (mlp_only_layers / decoder_sparse_step) are not supported")
     return hf
 
 
@@ -145,16 +149,22 @@ def load_safetensors_model(
     cfg = config_from_hf(read_hf_config(model_dir), dtype=dtype, scan_layers=scan_layers)
     asm = ParamAssembler(cfg)
     unknown: list[str] = []
+    layer_tensor = hybrid_layer_tensor if cfg.is_hybrid else _layer_tensor
     for name, get in _iter_tensors(_shard_files(model_dir), progress):
+        name = _WRAPPED.sub("model.", name)
+        if _VISION.match(name):
+            continue  # the vision tower of a multimodal checkpoint: text only here
         if name == "model.embed_tokens.weight":
             asm.put("embed", get())
         elif name == "model.norm.weight":
-            asm.put("final_norm", get())
+            asm.put("final_norm", centred(get()) if cfg.is_hybrid else get())
         elif name == "lm_head.weight":
             # Tied checkpoints sometimes still save lm_head; the embedding is authoritative.
             if asm.wants("lm_head"):
                 asm.put("lm_head", linear(get()))
-        elif (m := _LAYER.match(name)) and _layer_tensor(asm, cfg, int(m[1]), m[2], get()):
+        elif (m := _LAYER.match(name)) and layer_tensor(asm, cfg, int(m[1]), m[2], get()):
+            pass
+        elif name.startswith("mtp.") and mtp_tensor(asm, cfg, name, get()):
             pass
         elif not _IGNORED.search(name):
             unknown.append(name)

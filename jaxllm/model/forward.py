@@ -7,8 +7,6 @@ layers unrolled (see `params.layout_params`); both share `_layer`, so they compu
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -75,17 +73,52 @@ def _layer(
     k = to_kv_dtype(apply_rope(k, batch.positions, inv_freq), kv.k.dtype)
     v = to_kv_dtype(v, kv.v.dtype)
 
-    k_layer, v_layer = kv.k[layer_index], kv.v[layer_index]
     page_table = _after(page_table, x)  # read this layer's context only once its input exists
-    attend = functools.partial(
-        paged_attention, q, k, v, batch.positions, k_layer, v_layer, page_table, n_ctx_pages=n_ctx_pages
+    kernel = decode_attention_kernel(cfg)
+    # A decode-only round hands the Pallas kernel the raw projection output: it slices and
+    # rotates q and the fresh k itself (the rotated k here then feeds only the cache write).
+    raw = kernel is not None and kernel != "cpu" and raw_projection_attends(lp, batch)
+    attn = attend(
+        q, k, v, kv, layer_index, batch, page_table, lookups, cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages,
+        fused_input=(qkv, inv_freq) if raw else None,
     )
+    x, h = add_rms_norm(x, project(attn, a.wo, 2, kernel=mm), lp.mlp_norm, cfg.rms_eps, kernel=norm)
+    if isinstance(lp.mlp, MoeParams):
+        valid = batch.slots < page_table.shape[0] - 1
+        out, expert_tokens = moe_mlp(h, lp.mlp, cfg, valid)
+    else:
+        out, expert_tokens = dense_mlp(h, lp.mlp, kernel=mm), jnp.zeros((0,), jnp.int32)
+    return x, out, (k, v), expert_tokens
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv: KVCache,
+    layer_index: jax.Array | int,
+    batch: TokenBatch,
+    page_table: jax.Array,
+    lookups: DecodeLookups,
+    cfg: ModelConfig,
+    *,
+    chunk_len: int,
+    n_ctx_pages: int,
+    fused_input: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+    """Attention of every row of the batch over its own context in the pages plus this
+    round's fresh keys and values: decode windows by a paged kernel (or the reference),
+    prompt chunks by cuDNN (or the reference). Returns [T, H, Dh].
+
+    Args:
+      q, k, v: this round's [T, heads, Dh], rotated, k and v already in the cache's dtype.
+      kv: the whole [L, ...] cache (kernels index the layer themselves); L counts only the
+        layers with a cache.
+      fused_input: see `_decode_kernel_attention`.
+    """
+    k_layer, v_layer = kv.k[layer_index], kv.v[layer_index]
     kernel = decode_attention_kernel(cfg)
     if kernel is not None and batch.decode.slot.shape[0]:
-        # A decode-only round hands the Pallas kernel the raw projection output: it slices and
-        # rotates q and the fresh k itself (the rotated k here then feeds only the cache write).
-        raw = kernel != "cpu" and raw_projection_attends(lp, batch)
-        fused_input = (qkv, inv_freq) if raw else None
         attn = _decode_kernel_attention(q, k, v, kv, layer_index, lookups, batch, kernel, fused_input)
     else:
         attn = paged_decode_reference(
@@ -97,14 +130,11 @@ def _layer(
             window_len=chunk_len, n_ctx_pages=n_ctx_pages, implementation="cudnn",
         )
     elif batch.chunks.slot.shape[0]:
-        attn = attn + attend(batch.chunks, window_len=chunk_len)
-    x, h = add_rms_norm(x, project(attn, a.wo, 2, kernel=mm), lp.mlp_norm, cfg.rms_eps, kernel=norm)
-    if isinstance(lp.mlp, MoeParams):
-        valid = batch.slots < page_table.shape[0] - 1
-        out, expert_tokens = moe_mlp(h, lp.mlp, cfg, valid)
-    else:
-        out, expert_tokens = dense_mlp(h, lp.mlp, kernel=mm), jnp.zeros((0,), jnp.int32)
-    return x, out, (k, v), expert_tokens
+        attn = attn + paged_attention(
+            q, k, v, batch.positions, k_layer, v_layer, page_table, batch.chunks, window_len=chunk_len,
+            n_ctx_pages=n_ctx_pages,
+        )
+    return attn
 
 
 def _decode_kernel_attention(

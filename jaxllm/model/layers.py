@@ -23,8 +23,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     """Inverse frequencies [Dh/2], with llama3 scaling applied where configured."""
-    half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / cfg.head_dim))
+    dim = cfg.rope_dim  # partial RoPE (hybrid family) rotates only the leading dims
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(dim // 2, dtype=jnp.float32) * 2.0 / dim))
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
@@ -41,7 +41,13 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates [T, heads, Dh] by position, HF `rotate_half` layout (the two halves pair up)."""
+    """Rotates [T, heads, Dh] by position, HF `rotate_half` layout (the two halves pair up).
+
+    With fewer frequencies than Dh / 2 (partial RoPE) only the leading 2 * len(inv_freq)
+    dims rotate; the rest pass through."""
+    rotary = 2 * inv_freq.shape[0]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq), x[..., rotary:]], axis=-1)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]

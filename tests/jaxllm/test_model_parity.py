@@ -28,7 +28,11 @@ CASES = [
     ("qwen2", {}),
     ("qwen3", {}),
     ("qwen3_moe", {}),
+    ("qwen3_next", {}),
+    ("qwen3_5_moe_text", {}),
+    ("qwen3_5_text", {}),
 ]
+HYBRID = ["qwen3_next", "qwen3_5_moe_text", "qwen3_5_text"]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,7 @@ def _run_alone(engine: Engine, prompt: list[int], params: SamplingParams):
     return seq
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3_moe", *HYBRID])
 @pytest.mark.parametrize("steps_per_call", [1, 4])
 def test_prefill_then_decode_equals_full_forward(tiny_models, name, steps_per_call):
     """Greedy tokens and their logprobs equal a full forward over prompt + generated."""
@@ -97,9 +101,11 @@ def test_prefill_then_decode_equals_full_forward(tiny_models, name, steps_per_ca
     assert len(seq.generated) == 12
 
 
-def test_mixed_ragged_batch_equals_each_alone(tiny_models):
-    """Several prompts prefilled in chunks beside decoding neighbours give the alone result."""
-    cfg, params = load_model(tiny_models["qwen3"], progress=False)
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_moe_text"])
+def test_mixed_ragged_batch_equals_each_alone(tiny_models, name):
+    """Several prompts prefilled in chunks beside decoding neighbours give the alone result
+    (for the hybrid: each slot's recurrent state carried across chunks, untouched by others)."""
+    cfg, params = load_model(tiny_models[name], progress=False)
     prompts = [PROMPT[:3], PROMPT, PROMPT[5:] * 3, [7]]
     params_ = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     alone = [_run_alone(_engine(cfg, params, decode_steps_per_call=1), p, params_) for p in prompts]

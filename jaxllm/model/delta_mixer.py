@@ -1,0 +1,130 @@
+"""The Gated DeltaNet mixer (linear attention) over a flattened ragged batch.
+
+A round's rows are one-token decode windows (the batch's first rows, one per slot) and
+prompt-chunk segments (one slot each). Each sequence's recurrent state (conv window and
+delta-rule matrix) is read from its slot's row, advanced over its tokens, and handed back as
+new rows with their target slots; the caller scatters every layer's rows in one update after
+the scan (the state is donated, so that update is in place).
+
+Decode rows advance by the one-token recurrence, segments by the chunked (WY) form; both come
+from `jaxllm.model.gated_delta` and agree with each other. Padding positions get decay 0 and
+beta 0, which leaves the delta-rule matrix unchanged, and a zero length leaves the conv window
+as it was.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxllm.config import ModelConfig
+from jaxllm.model.forward import TokenBatch
+from jaxllm.model.gated_delta import causal_conv, gated_delta_chunked, gated_delta_recurrent, gated_rms_norm
+from jaxllm.model.layers import project
+from jaxllm.params import DeltaNetParams
+from jaxllm.state import RecurrentState
+
+# The chunk length of the WY form (the flash-linear-attention and transformers default).
+_DELTA_CHUNK = 64
+
+
+@struct.dataclass
+class Segments:
+    """Where each sequence of the round sits: decode rows first, then prompt segments."""
+
+    slots: jax.Array  # [R] i32 slot whose state each sequence reads
+    targets: jax.Array  # [R] i32 slot its new state goes to (the trash row when it has no tokens)
+    rows: jax.Array  # [R, Tw] i32 flat batch row of each of its tokens (clipped; see `valid`)
+    valid: jax.Array  # [R, Tw] bool
+    lengths: jax.Array  # [R] i32 tokens it advances by
+
+
+def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segments, Segments | None]:
+    """(decode sequences, prompt segments or None) of a round."""
+    d = batch.decode
+    decode = Segments(
+        slots=d.slot, targets=jnp.where(d.length > 0, d.slot, trash), rows=d.start[:, None],
+        valid=(d.length > 0)[:, None], lengths=d.length,
+    )
+    c = batch.chunks
+    if not c.slot.shape[0]:
+        return decode, None
+    offsets = jnp.arange(chunk_len)[None, :]
+    valid = offsets < c.length[:, None]
+    rows = jnp.minimum(c.start[:, None] + offsets, batch.tokens.shape[0] - 1)
+    chunks = Segments(slots=jnp.minimum(c.slot, trash), targets=jnp.where(c.length > 0, c.slot, trash),
+                      rows=rows, valid=valid, lengths=c.length)
+    return decode, chunks
+
+
+def _advance(
+    qkv: jax.Array, b: jax.Array, a: jax.Array, p: DeltaNetParams, conv0: jax.Array, delta0: jax.Array,
+    seg: Segments, cfg: ModelConfig, *, chunked: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Advances the sequences of `seg` over their tokens.
+
+    Returns: (core output [R, Tw, Hv, Dv], new conv windows, new delta matrices).
+    """
+    Hk, Hv, Dk = cfg.linear_n_k_heads, cfg.linear_n_v_heads, cfg.linear_k_dim
+    x = qkv[seg.rows].astype(jnp.float32)  # [R, Tw, C]
+    y, conv = causal_conv(x, conv0, p.conv.astype(jnp.float32), seg.lengths)
+    R, Tw = x.shape[:2]
+    q, k, v = jnp.split(y, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+    # Each key head serves Hv / Hk consecutive value heads.
+    q = jnp.repeat(q.reshape(R, Tw, Hk, Dk), Hv // Hk, axis=2)
+    k = jnp.repeat(k.reshape(R, Tw, Hk, Dk), Hv // Hk, axis=2)
+    v = v.reshape(R, Tw, Hv, cfg.linear_v_dim)
+    beta = jax.nn.sigmoid(b[seg.rows].astype(jnp.float32))
+    decay = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(
+        a[seg.rows].astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
+    )
+    # Padding positions must leave the delta-rule matrix as it is.
+    beta = jnp.where(seg.valid[..., None], beta, 0.0)
+    decay = jnp.where(seg.valid[..., None], decay, 0.0)
+    if chunked:
+        out, delta = gated_delta_chunked(q, k, v, decay, beta, delta0, chunk=_DELTA_CHUNK)
+    else:
+        out, delta = gated_delta_recurrent(q, k, v, decay, beta, delta0)
+    return out, conv, delta
+
+
+def delta_mixer(
+    h: jax.Array,
+    p: DeltaNetParams,
+    recurrent: RecurrentState,
+    layer_index: jax.Array | int,
+    decode: Segments,
+    chunks: Segments | None,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One DeltaNet layer over the round.
+
+    Args:
+      h: [T, D] normed input.
+      p: this layer's params.
+      recurrent: the whole state; `layer_index` counts linear-attention layers only.
+      decode, chunks: from `round_segments`.
+
+    Returns:
+      ([T, D] output, new conv windows [R, Kc-1, C], new delta matrices [R, Hv, Dk, Dv]) with
+      R = decode sequences + chunk segments, in that order (targets: `decode.targets`, then
+      `chunks.targets`).
+    """
+    T = h.shape[0]
+    qkv = project(h, p.w_qkv)  # [T, C]
+    z = project(h, p.w_z)  # [T, Hv, Dv]
+    b, a = project(h, p.w_b), project(h, p.w_a)  # [T, Hv]
+    conv_all, delta_all = recurrent.conv[layer_index], recurrent.delta[layer_index]
+    core = jnp.zeros((T, cfg.linear_n_v_heads, cfg.linear_v_dim), jnp.float32)
+    convs, deltas = [], []
+    for seg, chunked in ((decode, False), (chunks, True)):
+        if seg is None or not seg.slots.shape[0]:
+            continue
+        out, conv, delta = _advance(qkv, b, a, p, conv_all[seg.slots], delta_all[seg.slots], seg, cfg, chunked=chunked)
+        rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
+        core = core.at[rows].set(out, mode="drop")
+        convs.append(conv)
+        deltas.append(delta)
+    normed = gated_rms_norm(core, z, p.norm, cfg.rms_eps).astype(h.dtype)
+    return project(normed, p.w_out, 2), jnp.concatenate(convs), jnp.concatenate(deltas)

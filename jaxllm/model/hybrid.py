@@ -1,0 +1,132 @@
+"""The hybrid family's forward (Qwen3-Next, Qwen3.5 dense and MoE) over a ragged batch.
+
+Layers come in a repeating group (`ModelConfig.layer_period`, e.g. three Gated DeltaNet
+blocks then one gated-attention block); `lax.scan` runs the groups, so compile time does not
+grow with depth. Each block is pre-norm: x + mixer(norm(x)), then x + mlp(norm(x)), the MLP a
+dense SwiGLU or routed experts plus a sigmoid-gated shared expert.
+
+Attention layers read the paged K/V cache (indexed among attention layers only) and return
+their fresh K/V, written after every layer as in `forward`; DeltaNet layers read their slots'
+recurrent state and return new rows, scattered into the state after the scan.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import LINEAR_ATTENTION, ModelConfig
+from jaxllm.model.decode_chain import DecodeLookups
+from jaxllm.model.delta_mixer import Segments, delta_mixer, round_segments
+from jaxllm.model.forward import TokenBatch, _after, write_kv
+from jaxllm.model.gated_attention import gated_attention
+from jaxllm.model.layers import dense_mlp, moe_mlp, rms_norm
+from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params
+from jaxllm.state import KVCache, RecurrentState
+
+
+def block_mlp(h: jax.Array, p: DenseMlpParams | MoeParams, cfg: ModelConfig, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The block's MLP on normed input: ([T, D] output, [E] tokens per expert or [0])."""
+    if isinstance(p, DenseMlpParams):
+        return dense_mlp(h, p), jnp.zeros((0,), jnp.int32)
+    out, experts = moe_mlp(h, p, cfg, valid)
+    if p.shared is not None:
+        gate = jax.nn.sigmoid(jnp.einsum("td,d->t", h, p.shared_gate).astype(jnp.float32))
+        out = out + (gate[:, None] * dense_mlp(h, p.shared).astype(jnp.float32)).astype(out.dtype)
+    return out, experts
+
+
+def _group_stack(tree, groups: int):
+    """[n, ...] leaves -> [groups, n / groups, ...] (scan's xs)."""
+    return jax.tree.map(lambda w: w.reshape(groups, w.shape[0] // groups, *w.shape[1:]), tree)
+
+
+def hybrid_forward(
+    params: Params,
+    cfg: ModelConfig,
+    batch: TokenBatch,
+    kv: KVCache,
+    recurrent: RecurrentState | None,
+    page_table: jax.Array,
+    *,
+    chunk_len: int,
+    n_ctx_pages: int,
+) -> tuple[jax.Array, KVCache, RecurrentState | None, jax.Array]:
+    """Runs every layer, then writes the round's K/V and recurrent state.
+
+    Returns:
+      (final-normed hidden [T, D], the cache, the recurrent state, tokens per expert
+      [L, E] or [L, 0], in layer order).
+    """
+    layers = params.layers
+    x = params.embed[batch.tokens].astype(cfg.jnp_dtype)
+    trash = page_table.shape[0] - 1
+    valid = batch.slots < trash
+    W = batch.decode.slot.shape[0]
+    lookups = DecodeLookups(
+        pages=page_table[batch.decode.slot, :n_ctx_pages],
+        cached=jnp.where(batch.decode.length > 0, batch.positions[:W], 0),
+    )
+    decode, chunks = round_segments(batch, trash, chunk_len)
+    pattern = cfg.layer_types[: cfg.layer_period]
+    groups = cfg.n_layers // cfg.layer_period
+    n_lin = sum(t == LINEAR_ATTENTION for t in pattern)
+    n_full = len(pattern) - n_lin
+
+    def block(x, lp: HybridBlockParams, mix):
+        h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
+        out, *state = mix(h)
+        x = x + out
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_eps)
+        out, experts = block_mlp(h, lp.mlp, cfg, valid)
+        return x + out, state, experts
+
+    def body(x, xs):
+        lin, full, g = xs
+        new_conv, new_delta, ks, vs, experts = [], [], [], [], []
+        i_lin = i_full = 0
+        for kind in pattern:
+            if kind == LINEAR_ATTENTION:
+                lp = jax.tree.map(lambda w, i=i_lin: w[i], lin)
+                index = g * n_lin + i_lin
+                x, (conv, delta), e = block(x, lp, lambda h: delta_mixer(h, lp.mixer, recurrent, index, decode, chunks, cfg))
+                new_conv.append(conv)
+                new_delta.append(delta)
+                i_lin += 1
+            else:
+                lp = jax.tree.map(lambda w, i=i_full: w[i], full)
+                index = g * n_full + i_full
+                table = _after(page_table, x)  # read this layer's context only once its input exists
+                x, (k, v), e = block(x, lp, lambda h: gated_attention(
+                    h, lp.mixer, kv, index, batch, table, lookups, cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages))
+                ks.append(k)
+                vs.append(v)
+                i_full += 1
+            experts.append(e)
+        stack = lambda xs: jnp.stack(xs) if xs else None  # noqa: E731
+        return x, (stack(new_conv), stack(new_delta), jnp.stack(ks), jnp.stack(vs), jnp.stack(experts))
+
+    xs = (
+        None if layers.linear is None else _group_stack(layers.linear, groups),
+        _group_stack(layers.full, groups),
+        jnp.arange(groups),
+    )
+    x, (conv, delta, k_new, v_new, experts) = jax.lax.scan(body, x, xs)
+    hidden = rms_norm(x, params.final_norm, cfg.rms_eps)
+
+    # [groups, per-group, ...] -> one axis in layer order (within a kind, for states and K/V)
+    flat = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])  # noqa: E731
+    # The writes must follow every read of the cache and the state; see `forward._after`.
+    batch = batch.replace(positions=_after(batch.positions, hidden))
+    kv = write_kv(kv, flat(k_new), flat(v_new), batch, page_table)
+    if recurrent is not None and conv is not None:
+        targets = _after(_targets(decode, chunks), hidden)
+        recurrent = RecurrentState(
+            conv=recurrent.conv.at[:, targets].set(flat(conv).astype(recurrent.conv.dtype)),
+            delta=recurrent.delta.at[:, targets].set(flat(delta)),
+        )
+    return hidden, kv, recurrent, flat(experts)
+
+
+def _targets(decode: Segments, chunks: Segments | None) -> jax.Array:
+    return decode.targets if chunks is None else jnp.concatenate([decode.targets, chunks.targets])
