@@ -108,6 +108,9 @@ class Sequence:
     finish_reason: str | None = None
     constraint: TokenConstraint | None = None
     dispatched: int = 0  # decode steps dispatched (may run ahead of `generated`)
+    # Prompt positions where a prompt chunk must end: a recurrent state exists only where a
+    # round stopped, so prefix-cache checkpoints of hybrid models are taken there.
+    stops: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def position_bound(self) -> int:
@@ -217,8 +220,11 @@ class Engine:
 
     # ---- sequences in and out ---------------------------------------------------------
     def add(self, prompt: Seq[int], params: SamplingParams, *, checkpoint: SeqCheckpoint | None = None,
-            cached_tokens: int = 0, constraint: TokenConstraint | None = None) -> Sequence:
+            cached_tokens: int = 0, constraint: TokenConstraint | None = None, stops: Seq[int] = ()) -> Sequence:
         """Puts a new sequence into a free slot; `checkpoint` restores its first `cached_tokens`.
+
+        `stops` are prompt positions the caller wants to `extract` a prefix at; models with
+        recurrent layers end prompt chunks there (others can extract any prefilled prefix).
 
         Raises:
           ValueError: empty prompt, bad sampling values, or prompt + max_tokens over the context.
@@ -244,14 +250,37 @@ class Engine:
         row = sampling_row(params, self.cfg.vocab_size, self.eos_ids, seed)
         self.state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
         seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
-                       constraint=constraint)
+                       constraint=constraint, stops=sorted({int(b) for b in stops if 0 < b < len(prompt)})
+                       if self.cfg.n_linear_layers else [])
         if checkpoint is not None:
             if not 0 < cached_tokens < len(prompt):
+                self._give_back(slot, pages)
                 raise ValueError("cached_tokens must be in (0, len(prompt))")
+            if self.cfg.n_linear_layers and int(checkpoint.length) != cached_tokens:
+                self._give_back(slot, pages)
+                raise ValueError(f"a recurrent state holds exactly {int(checkpoint.length)} positions, not {cached_tokens}")
             self.state = steps.insert(self.state, np.int32(slot), checkpoint)
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
         return seq
+
+    def _give_back(self, slot: int, pages: list[int]) -> None:
+        """Returns a slot and pages taken by an `add` that then failed."""
+        self.state = steps.release_slot(self.state, np.int32(slot))
+        self.free_pages.extend(pages)
+        self.free_slots.append(slot)
+        self.free_slots.sort()
+
+    def can_extract(self, seq: Sequence, n_positions: int) -> bool:
+        """Whether `extract(seq, n_positions)` can give exactly `prompt[:n_positions]` now.
+
+        Attention layers keep every prefilled position in the pages; a recurrent state exists
+        only at the position the sequence reached, before any decode step was dispatched.
+        """
+        prefilled = min(seq.prefilled, len(seq.prompt))
+        if not 0 < n_positions <= prefilled:
+            return False
+        return not self.cfg.n_linear_layers or (n_positions == prefilled and seq.dispatched == 0)
 
     def remove(self, seq: Sequence) -> None:
         """Frees a sequence's slot and pages (finished, cancelled or failed)."""
@@ -278,8 +307,9 @@ class Engine:
         ckpt = steps.extract(self.state, np.int32(seq.slot), n_pages=n_pages)
         if n_positions is None:
             return ckpt
-        if not 0 < n_positions <= min(seq.prefilled, len(seq.prompt)):
-            raise ValueError(f"prefix of {n_positions} positions is not prefilled yet")
+        if not self.can_extract(seq, n_positions):
+            raise ValueError(f"no state of exactly {n_positions} prompt positions now (prefilled "
+                             f"{min(seq.prefilled, len(seq.prompt))}, decode steps dispatched {seq.dispatched})")
         seen = np.zeros((self.cfg.vocab_size,), bool)
         seen[seq.prompt[:n_positions]] = True
         return ckpt.replace(
@@ -520,6 +550,9 @@ class Engine:
             if left <= 0:
                 break
             n = min(left, len(seq.prompt) - seq.prefilled)
+            stop = next((b for b in seq.stops if b > seq.prefilled), None)
+            if stop is not None:
+                n = min(n, stop - seq.prefilled)
             members.append((seq, n))
             left -= n
         return members

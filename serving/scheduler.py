@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,7 +58,8 @@ class EngineLike(Protocol):
     def pages_needed(self, n_positions: int) -> int: ...
     def can_admit(self, n_positions: int) -> bool: ...
     def add(self, prompt: list[int], params: SamplingParams, *, checkpoint: Any = None, cached_tokens: int = 0,
-            constraint: Any = None) -> Any: ...
+            constraint: Any = None, stops: Sequence[int] = ()) -> Any: ...
+    def can_extract(self, seq: Any, n_positions: int) -> bool: ...
     def remove(self, seq: Any) -> None: ...
     def launch(self, *, prefill_budget: int | None = None) -> Any: ...
     def collect(self, handle: Any) -> list[Any]: ...
@@ -359,7 +360,7 @@ class Scheduler:
                 # Structured output: the grammar constraint was built with the request.
                 extra = {"constraint": p.constraints[i]} if p.constraints else {}
                 c.seq = self.engine.add(p.prompt, params, checkpoint=ckpt, cached_tokens=cached if ckpt is not None else 0,
-                                        **extra)
+                                        stops=self._cache_points(job), **extra)
                 active.choices.append(c)
                 self.by_seq[c.seq.id] = (active, c)
         except Exception as e:  # noqa: BLE001 - engine validation: fail this request only
@@ -419,12 +420,20 @@ class Scheduler:
                         launched=started, compiled=self.compiles.count != compiles,
                         completes_prompts=completes)
 
+    @staticmethod
+    def _cache_points(job: Job) -> list[int]:
+        """Prompt prefixes worth a prefix-cache checkpoint: message boundaries, and all but the
+        last token (an exact repeat of the prompt then recomputes one position only)."""
+        p = job.prepared
+        points = sorted(set(p.boundaries) | {len(p.prompt) - 1})
+        return [b for b in points if b > 0 and b >= job.settings.limits.prefix_cache_min_tokens]
+
     def _checkpoint_passed(self, seq: Any, start: int) -> None:
-        """Checkpoints the prefix-cache boundaries `seq`'s prefill passed since `start`."""
+        """Checkpoints the prefix-cache points `seq`'s prefill passed since `start` (models with
+        recurrent layers end their chunks there; others can extract any passed prefix)."""
         job = self.by_seq[seq.id][0].job
-        lim = job.settings.limits
-        for b in job.prepared.boundaries + [len(seq.prompt)]:
-            if start < b <= seq.prefilled and b >= lim.prefix_cache_min_tokens:
+        for b in self._cache_points(job):
+            if start < b <= seq.prefilled and self.engine.can_extract(seq, b):
                 self._checkpoint(seq, b)
 
     def _round_failed(self, members: list[tuple[Active, Choice]], e: Exception) -> None:

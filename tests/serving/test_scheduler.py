@@ -62,7 +62,7 @@ class FakeEngine:
     def can_admit(self, n: int) -> bool:
         return bool(self.free_slots) and self.pages_needed(n) <= len(self.free_pages)
 
-    def add(self, prompt, params, *, checkpoint=None, cached_tokens=0):
+    def add(self, prompt, params, *, checkpoint=None, cached_tokens=0, stops=()):
         slot = self.free_slots.pop(0)
         pages = [self.free_pages.pop() for _ in range(self.pages_needed(len(prompt) + params.max_tokens))]
         seq = FakeSeq(self.next_id, slot, list(prompt), params, pages, prefilled=cached_tokens if checkpoint else 0)
@@ -79,6 +79,9 @@ class FakeEngine:
 
     def extract(self, seq, n):
         return SimpleNamespace(nbytes=lambda: 10, n=n)
+
+    def can_extract(self, seq, n):
+        return 0 < n <= min(seq.prefilled, len(seq.prompt))
 
     def next_prefill(self):
         prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
