@@ -192,8 +192,9 @@ def gated_delta_chunked(
 
     dot = functools.partial(jnp.einsum, precision=precision)
     kk = dot("nhcid,nhcjd->nhcij", kc, kc)
-    a_mat = bc[..., :, None] * kk * decay_ij * (1 - jnp.eye(L, dtype=jnp.float32))  # strictly lower
-    system = a_mat + jnp.eye(L, dtype=jnp.float32)  # I + A, [N, H, C, L, L]
+    # I + A, [N, H, C, L, L]: the unit-diagonal solve reads only the strict lower triangle
+    # of this, so neither the diagonal nor the (zero) upper part needs masking.
+    system = bc[..., :, None] * kk * decay_ij
     rhs = jnp.concatenate([bc[..., None] * vc, (bc * jnp.exp(cum))[..., None] * kc], axis=-1)  # [.., L, Dv+Dk]
     solved = lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
     u, w = solved[..., :Dv], solved[..., Dv:]  # [N, H, C, L, Dv], [N, H, C, L, Dk]
