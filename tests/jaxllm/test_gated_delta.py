@@ -309,3 +309,84 @@ def test_gated_rms_norm_matches_hf(dtype):
     assert ours.dtype == jdt
     tol = 1e-5 if dtype == "float32" else 1e-2
     np.testing.assert_allclose(np.asarray(ours, np.float32), ref, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- the Pallas decode kernel (interpreter)
+
+
+def _decode_inputs(seed: int, W: int, S: int, Dv: int = 8, dtype=np.float32):
+    """One token per window ([W, H, ...]) and a pool of S slot states."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.normal(size=(W, H, d)).astype(dtype) for d in (DK, DK, Dv))
+    g = rng.uniform(-1, 0, size=(W, H)).astype(np.float32)
+    beta = rng.uniform(0.05, 0.95, size=(W, H)).astype(np.float32)
+    pool = rng.normal(size=(S, H, DK, Dv)).astype(np.float32)
+    return q, k, v, g, beta, pool
+
+
+def _decode_reference(q, k, v, g, beta, pool, slots, qk_l2norm=True):
+    """gated_delta_recurrent on the windows' gathered states, T = 1."""
+    out, states = gated_delta_recurrent(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], pool[np.asarray(slots)], qk_l2norm=qk_l2norm
+    )
+    return out[:, 0], states
+
+
+@pytest.mark.parametrize("block_v,qk_l2norm", [(None, True), (4, True), (2, False)])
+def test_decode_kernel_matches_recurrent(block_v, qk_l2norm):
+    """Three windows on slots 3, 0, 4 of a 6-slot pool: their rows advance one token like the
+    recurrent rule, the other slots stay bit for bit."""
+    from jaxllm.model.gated_delta_kernel import gated_delta_decode
+
+    q, k, v, g, beta, pool = _decode_inputs(12, 3, 6)
+    if not qk_l2norm:
+        k = k * 0.2
+    slots = np.asarray([3, 0, 4], np.int32)
+    out, new_pool = gated_delta_decode(
+        q, k, v, g, beta, pool, slots, qk_l2norm=qk_l2norm, block_v=block_v, interpret=True
+    )
+    ref_out, ref_states = _decode_reference(q, k, v, g, beta, pool, slots, qk_l2norm)
+    assert out.shape == v.shape and new_pool.shape == pool.shape and new_pool.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(new_pool)[slots], ref_states, rtol=1e-5, atol=1e-6)
+    others = [1, 2, 5]
+    np.testing.assert_array_equal(np.asarray(new_pool)[others], pool[others])
+
+
+def test_decode_kernel_dead_windows_touch_nothing():
+    """A dead window naming a live window's slot (and one naming an idle slot) neither writes
+    the pool nor returns anything but zeros."""
+    from jaxllm.model.gated_delta_kernel import gated_delta_decode
+
+    q, k, v, g, beta, pool = _decode_inputs(13, 4, 5)
+    slots = np.asarray([2, 2, 0, 1], np.int32)
+    live = np.asarray([1, 0, 1, 0], np.int32)
+    out, new_pool = gated_delta_decode(q, k, v, g, beta, pool, slots, live=live, block_v=4, interpret=True)
+    keep = np.asarray([0, 2])
+    ref_out, ref_states = _decode_reference(q[keep], k[keep], v[keep], g[keep], beta[keep], pool, slots[keep])
+    np.testing.assert_allclose(np.asarray(out)[keep], ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out)[[1, 3]], 0)
+    np.testing.assert_allclose(np.asarray(new_pool)[[2, 0]], ref_states, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(new_pool)[[1, 3, 4]], pool[[1, 3, 4]])
+
+
+def test_decode_kernel_stacked_layers_and_bfloat16():
+    """An [L, S, ...] stack with a traced layer index updates that layer only; bfloat16
+    q, k, v give a bfloat16 output close to the float32 rule on the same values."""
+    import jax
+
+    from jaxllm.model.gated_delta_kernel import gated_delta_decode
+
+    q, k, v, g, beta, pool = _decode_inputs(14, 2, 3)
+    stack = np.stack([pool + 1, pool, pool - 1])  # [3, S, H, Dk, Dv]
+    slots = np.asarray([2, 0], np.int32)
+    qb, kb, vb = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
+    run = jax.jit(lambda *a, layer: gated_delta_decode(*a, layer=layer, interpret=True))
+    out, new_stack = run(qb, kb, vb, g, beta, stack, slots, layer=jnp.int32(1))
+    assert out.dtype == jnp.bfloat16 and new_stack.shape == stack.shape
+    f32 = [np.asarray(a, np.float32) for a in (qb, kb, vb)]
+    ref_out, ref_states = _decode_reference(*f32, g, beta, pool, slots)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(new_stack)[1][slots], ref_states, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(new_stack)[1][1], pool[1])
+    np.testing.assert_array_equal(np.asarray(new_stack)[[0, 2]], stack[[0, 2]])

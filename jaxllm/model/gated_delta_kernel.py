@@ -1,0 +1,161 @@
+"""One decode step of the gated delta rule for many slots as a Pallas (Triton) kernel.
+
+A decode round gives each live slot one token. Its update touches the slot's whole state
+S [H, Dk, Dv] (float32, 64 KiB per head at Qwen3-Next's 128 x 128), which dwarfs the token's
+q, k, v: the step is memory bound, and the cost that matters is moving S. As XLA ops the
+step is a gather of the slots' states, a handful of elementwise kernels and reductions, and a
+scatter back, each pass over S a round trip through HBM. Here one program owns one
+(window, head, block of Dv columns): it loads that block of S once, applies
+
+    S <- exp(g) S;  delta = beta (v - k^T S);  S <- S + k delta^T;  out = q^T S
+
+in registers, and stores it once, into the same buffer (the state operand is aliased to the
+new state, so with a donated pool the update is in place and untouched slots cost nothing).
+Columns of S are independent in this rule (k^T S and q^T S are per column), so splitting
+Dv into blocks is exact and gives the grid more programs than windows x heads.
+
+The pool is indexed by slot inside the kernel (`slots`), like the paged KV pool: the
+caller passes the whole [S, H, Dk, Dv] pool, or every layer's [L, S, H, Dk, Dv] with
+`layer`, never a gathered copy. Block sizes (Dk, block_v) must be powers of two on the GPU;
+the interpreter runs the same kernel on the CPU for the tests. Launch parameters are
+untuned (no GPU measurement yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxllm.pallas_triton import compiler_params, plgpu, whole_block
+
+
+def _decode_kernel(
+    layer_ref,  # [1] i32 layer of a stacked pool (0 for one layer's)
+    slots_ref,  # [W] i32 pool row of each window's slot
+    live_ref,  # [W] i32 0 = the window does not decode: state untouched, output zeros
+    q_ref,  # [W, H, Dk]
+    k_ref,  # [W, H, Dk]
+    v_ref,  # [W, H, Dv]
+    g_ref,  # [W, H] f32 log decay
+    beta_ref,  # [W, H] f32
+    state_ref,  # [L * S, H, Dk, Dv] the whole pool (read)
+    out_ref,  # [W, H, Dv]
+    new_state_ref,  # [L * S, H, Dk, Dv] the same buffer (written)
+    *,
+    n_slots: int,
+    block_v: int,
+    qk_l2norm: bool,
+):
+    w, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f32 = jnp.float32
+    # Dead windows may name any slot (even one a live window updates): they never store it.
+    slot = jnp.clip(slots_ref[w], 0, n_slots - 1)
+    row = layer_ref[0] * n_slots + slot
+    live = live_ref[w] > 0
+    q = q_ref[w, h, :].astype(f32)  # [Dk]
+    k = k_ref[w, h, :].astype(f32)
+    if qk_l2norm:  # HF's l2norm: eps inside the root
+        q = q * lax.rsqrt((q * q).sum() + 1e-6)
+        k = k * lax.rsqrt((k * k).sum() + 1e-6)
+    q = q * (q.shape[0] ** -0.5)
+    cols = pl.ds(j * block_v, block_v)
+    v = v_ref[w, h, cols].astype(f32)  # [BV]
+    s = state_ref[row, h, :, cols].astype(f32)  # [Dk, BV]
+    s = s * jnp.exp(g_ref[w, h].astype(f32))
+    delta = (v - (s * k[:, None]).sum(axis=0)) * beta_ref[w, h].astype(f32)  # [BV]
+    s = s + k[:, None] * delta[None, :]
+    out = (s * q[:, None]).sum(axis=0)  # [BV]
+    plgpu.store(
+        new_state_ref.at[row, h, :, cols], s.astype(new_state_ref.dtype), mask=jnp.broadcast_to(live, s.shape)
+    )
+    out_ref[w, h, cols] = jnp.where(live, out, 0.0).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("qk_l2norm", "block_v", "interpret", "num_warps"))
+def gated_delta_decode(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    slots: jax.Array,
+    *,
+    layer: jax.Array | int | None = None,
+    live: jax.Array | None = None,
+    qk_l2norm: bool = True,
+    block_v: int | None = None,
+    interpret: bool = False,
+    num_warps: int = 4,
+) -> tuple[jax.Array, jax.Array]:
+    """One token of the gated delta rule per window, each on its slot's state in the pool.
+
+    Same arithmetic as `jaxllm.model.gated_delta.gated_delta_recurrent` with T = 1 (float32
+    inside; q, k l2-normalised when `qk_l2norm`, q scaled by Dk**-0.5).
+
+    Args:
+      q, k: [W, H, Dk] one token per window (k heads already repeated to H).
+      v: [W, H, Dv].
+      g: [W, H] log decay (<= 0).
+      beta: [W, H] in (0, 1).
+      state: [S, H, Dk, Dv] one layer's pool of slot states, or [L, S, H, Dk, Dv] every
+        layer's with `layer` picking one (pass the stack inside a layer loop: a slice fed to
+        the kernel would be copied first). float32 (other float dtypes are widened on load).
+      slots: [W] i32 pool row of each window; live windows must name distinct slots.
+      layer: i32 scalar, the layer of a stacked pool (required with one).
+      live: [W] bool/int, windows that decode (default all); the others leave every slot as
+        it was and return zeros, whatever slot they name.
+      qk_l2norm: l2-normalise q and k first (Qwen3-Next does).
+      block_v: Dv columns per program, a power of two dividing Dv (default min(Dv, 32)).
+      interpret: run in the Pallas interpreter (CPU tests).
+      num_warps: Triton launch parameter.
+
+    Returns:
+      out: [W, H, Dv] in q's dtype.
+      new_state: the pool, same shape and dtype as `state`, with the live windows' slots
+        advanced by one token and every other row unchanged. The kernel writes into the
+        state's buffer: donate `state` (or the pytree holding it) to the enclosing jit for an
+        in-place update, else XLA copies the pool first.
+    """
+    W, H, Dk = q.shape
+    Dv = v.shape[-1]
+    block_v = block_v or min(Dv, 32)
+    if Dv % block_v:
+        raise ValueError(f"block_v={block_v} must divide Dv={Dv}")
+    if state.ndim == 5:
+        if layer is None:
+            raise ValueError("a stacked [L, S, H, Dk, Dv] pool needs `layer`")
+    else:
+        layer = 0
+    pool_shape = state.shape
+    n_slots = pool_shape[-4]
+    pool = state.reshape((-1,) + pool_shape[-3:])  # [L * S, H, Dk, Dv], a free reshape
+    live = jnp.ones((W,), jnp.int32) if live is None else live.astype(jnp.int32)
+    operands = [
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        slots.astype(jnp.int32),
+        live,
+        q,
+        k,
+        v,
+        g.astype(jnp.float32),
+        beta.astype(jnp.float32),
+        pool,
+    ]
+    out_shapes = [jax.ShapeDtypeStruct((W, H, Dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)]
+    out, new_pool = pl.pallas_call(
+        functools.partial(_decode_kernel, n_slots=n_slots, block_v=block_v, qk_l2norm=qk_l2norm),
+        grid=(W, H, Dv // block_v),
+        in_specs=[whole_block(a) for a in operands],
+        out_specs=[whole_block(o) for o in out_shapes],
+        out_shape=out_shapes,
+        input_output_aliases={len(operands) - 1: 1},  # the pool is updated where it lies
+        interpret=interpret,
+        compiler_params=compiler_params(interpret=interpret, num_warps=num_warps, num_stages=1),
+        name="gated_delta_decode",
+    )(*operands)
+    return out, new_pool.reshape(pool_shape)
