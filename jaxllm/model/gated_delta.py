@@ -23,7 +23,8 @@ length those values (with finite q, k, v) and ignores their outputs. The conv ta
 lengths itself, since its window must skip padding.
 
 Axis letters: N segments, T tokens, H value heads (q and k already repeated to H by the
-caller), Dk key dim, Dv value dim, C conv channels, K conv kernel width, L chunk length.
+caller), Dk key dim, Dv value dim, C conv channels, K conv kernel width, L chunk length
+(inside `gated_delta_chunked`, C counts chunks instead).
 All arithmetic is float32; the matrix products ask for full float32 precision (`precision`),
 since on GPUs XLA's default would round float32 operands to TF32.
 """
