@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jaxllm import steps
+from jaxllm import samplers_extra, steps
 from jaxllm.config import ModelConfig
 from jaxllm.model.kernel_choice import plain_sampler_pays
 from jaxllm.params import Params
@@ -75,6 +75,12 @@ class EngineConfig:
     # first pass), which would otherwise fall on the first request of each round shape; on
     # the CPU there are none worth the seconds the runs take.
     warmup_runs: bool | None = None
+    # The research samplers (jaxllm.samplers_extra: typical, epsilon, eta, top-nσ, DRY, XTC,
+    # mirostat, user logits processors) get per-slot rows in the state; off, they cost nothing.
+    extra_samplers: bool = False
+    # The user functions requests may name as `SamplingParams.logits_processor` (traced into
+    # the rounds, so fixed per engine); needs extra_samplers.
+    logits_processors: tuple[Callable, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "decode_steps_per_call", "decode_unroll", "chunk_segments"):
@@ -196,6 +202,9 @@ class Engine:
             page_size=config.page_size,
         )
         self.state = steps.new_state(cfg, self.layout)
+        if config.extra_samplers:
+            self.state = self.state.replace(sampling=self.state.sampling.replace(extra=samplers_extra.empty_extra(
+                config.max_slots, cfg.vocab_size, self.layout.max_seq_len, config.logits_processors)))
         self.free_slots = list(range(config.max_slots))
         self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence
@@ -244,10 +253,10 @@ class Engine:
             )
         if not self.can_admit(total):
             raise EngineFull(f"no room for {total} positions now")
+        seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
+        row = self._sampling_row(params, seed, prompt)
         slot = self.free_slots.pop(0)
         pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
-        seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
-        row = sampling_row(params, self.cfg.vocab_size, self.eos_ids, seed)
         self.state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
         seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
                        constraint=constraint, stops=sorted({int(b) for b in stops if 0 < b < len(prompt)})
@@ -263,6 +272,17 @@ class Engine:
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
         return seq
+
+    def _sampling_row(self, params: SamplingParams, seed: np.uint32, tokens: list[int]):
+        """A slot's `SlotSampling` row; with extra samplers, its `ExtraSampling` row too
+        (whose history starts as `tokens`). Called before a slot is taken, so it may raise."""
+        row = sampling_row(params, self.cfg.vocab_size, self.eos_ids, seed)
+        if not self.config.extra_samplers:
+            if samplers_extra.uses_extra(params):
+                raise ValueError("this sampler needs an engine built with EngineConfig(extra_samplers=True)")
+            return row
+        return row.replace(extra=samplers_extra.extra_row(params, self.cfg.vocab_size, self.layout.max_seq_len, tokens,
+                                                          self.config.logits_processors))
 
     def _give_back(self, slot: int, pages: list[int]) -> None:
         """Returns a slot and pages taken by an `add` that then failed."""
@@ -333,9 +353,9 @@ class Engine:
         total = len(old.prompt) + old.params.max_tokens
         if not self.can_admit(total):
             raise EngineFull(f"no room for {total} positions now")
+        row = self._sampling_row(old.params, np.uint32(old.seed), old.prompt + list(old.generated))
         slot = self.free_slots.pop(0)
         pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
-        row = sampling_row(old.params, self.cfg.vocab_size, self.eos_ids, np.uint32(old.seed))
         state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
         self.state = steps.insert(state, np.int32(slot), paused.checkpoint)
         seq = dataclasses.replace(old, slot=slot, pages=pages)
@@ -400,7 +420,7 @@ class Engine:
             ckpt = steps.extract(self.state, np.int32(0), n_pages=n_pages)
             self.state = steps.insert(self.state, np.int32(0), ckpt)
             count += 1
-        row = sampling_row(SamplingParams(), self.cfg.vocab_size, self.eos_ids, np.uint32(0))
+        row = self._sampling_row(SamplingParams(), np.uint32(0), [])
         self.state = steps.set_slot(self.state, np.int32(0), np.asarray(page_row([], self.layout)), row)
         self.state = steps.release_slot(self.state, np.int32(0))
         jax.block_until_ready(self.state)

@@ -9,13 +9,14 @@ tokens whatever its slot, its neighbours, its chunking or the steps per call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxllm import samplers_extra
 from jaxllm.state import SlotSampling
 
 MAX_TOP_LOGPROBS = 20
@@ -41,6 +42,20 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # Research samplers (jaxllm.samplers_extra; an engine with EngineConfig.extra_samplers).
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
+    top_n_sigma: float = 0.0  # 0: off
+    dry_multiplier: float = 0.0  # 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[int, ...] = ()
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0  # 0: off
+    mirostat_tau: float = 0.0  # > 0: mirostat v2 with this target surprise (bits)
+    mirostat_eta: float = 0.1
+    logits_processor: Callable | None = None  # (logits [V], RowContext) -> logits, traced into the round
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first invalid field."""
@@ -58,6 +73,18 @@ class SamplingParams:
             (all(0 <= t < vocab_size for t in self.logit_bias), "logit_bias has a token id outside the vocabulary"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
             (all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids has an id outside the vocabulary"),
+            (0 < self.typical_p <= 1, "typical_p must be in (0, 1]"),
+            (0 <= self.epsilon_cutoff < 1, "epsilon_cutoff must be in [0, 1)"),
+            (0 <= self.eta_cutoff < 1, "eta_cutoff must be in [0, 1)"),
+            (self.top_n_sigma >= 0, "top_n_sigma must be >= 0"),
+            (self.dry_multiplier >= 0, "dry_multiplier must be >= 0"),
+            (self.dry_base >= 1, "dry_base must be >= 1"),
+            (self.dry_allowed_length >= 1, "dry_allowed_length must be >= 1"),
+            (all(0 <= t < vocab_size for t in self.dry_sequence_breakers), "dry_sequence_breakers has an id outside the vocabulary"),
+            (0 <= self.xtc_threshold <= 1, "xtc_threshold must be in [0, 1]"),
+            (0 <= self.xtc_probability <= 1, "xtc_probability must be in [0, 1]"),
+            (self.mirostat_tau >= 0, "mirostat_tau must be >= 0"),
+            (self.mirostat_eta > 0, "mirostat_eta must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -101,6 +128,7 @@ class Sampled:
     logprob: jax.Array  # [B] f32 of the chosen token under the model's distribution
     top_ids: jax.Array  # [B, 20] i32
     top_logprobs: jax.Array  # [B, 20] f32
+    extra: samplers_extra.ExtraSampling | None = None  # the research samplers' state after this draw
 
 
 def process_logits(
@@ -172,7 +200,7 @@ def needs_full_sampler(p: SamplingParams) -> bool:
     """Whether a request needs the sampler's costly parts: a top-k/top-p/min-p filter on
     sampled tokens, or top logprobs (see `sample`'s `full`)."""
     filters = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
-    return filters or p.top_logprobs > 0
+    return filters or p.top_logprobs > 0 or samplers_extra.uses_extra(p)
 
 
 def sample(
@@ -207,6 +235,9 @@ def sample(
     """
     cond = jax.lax.cond if branches == "cond" else _select_cond
     processed = process_logits(logits, s, seen, out_counts, n_generated)
+    extra = s.extra
+    if extra is not None:
+        processed = samplers_extra.adjust_logits(processed, extra, positions, n_generated, s.seed, cond)
     if token_mask is not None:
         processed = cond(
             jnp.any(constrained), lambda: apply_token_mask(processed, token_mask, constrained), lambda: processed
@@ -222,10 +253,15 @@ def sample(
         ) if full else jnp.ones_like(scaled, bool)
         keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(s.seed, positions)
         noise = jax.vmap(lambda k: jax.random.gumbel(k, (scaled.shape[1],), jnp.float32))(keys)
+        if extra is not None:
+            keep = samplers_extra.restrict(keep, scaled, extra, keys, is_sampled, cond)
         drawn = jnp.argmax(jnp.where(keep, scaled + noise, _NEG), axis=-1).astype(jnp.int32)
-        return jnp.where(is_sampled, drawn, greedy)
+        tokens = jnp.where(is_sampled, drawn, greedy)
+        mu = None if extra is None else samplers_extra.mirostat_update(
+            extra, jnp.where(keep, scaled, _NEG), tokens, is_sampled)
+        return tokens, mu
 
-    tokens = cond(jnp.any(is_sampled), draw, lambda: greedy)
+    tokens, mu = cond(jnp.any(is_sampled), draw, lambda: (greedy, None if extra is None else extra.mu))
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     B, V = logits.shape
@@ -234,4 +270,5 @@ def sample(
     top_lp, top_ids = (
         jax.lax.cond(want_top, lambda: tuple(jax.lax.top_k(logprobs, n_top)), lambda: nothing) if full else nothing
     )
-    return Sampled(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+    return Sampled(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp,
+                   extra=None if extra is None else extra.replace(mu=mu))

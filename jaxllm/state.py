@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,8 @@ class SlotSampling:
     min_tokens: jax.Array  # [B] i32: stop tokens are masked until this many were generated
     max_tokens: jax.Array  # [B] i32
     seed: jax.Array  # [B] u32
+    # The research samplers' rows (jaxllm.samplers_extra.ExtraSampling); None: compiled out.
+    extra: Any = None
 
 
 @struct.dataclass

@@ -23,6 +23,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.model.forward import TokenBatch, forward, lm_head
 from jaxllm.model.hybrid import hybrid_forward
 from jaxllm.model.kernel_choice import matmul_kernel, sampler_branches
+from jaxllm import samplers_extra
 from jaxllm.params import Params
 from jaxllm.sampling import sample
 from jaxllm.state import DecodeState, KVCache, RecurrentState, SeqCheckpoint, SlotSampling, StateLayout, init_state
@@ -141,6 +142,9 @@ def _round(
     out_counts = state.out_counts.at[jnp.where(sampled, rows, B), tokens].add(1, mode="drop")
     stops = state.sampling.stop_mask[rows, tokens] | (n_generated >= state.sampling.max_tokens)
     done = jnp.where(sampled, stops, state.done)
+    sampling = state.sampling
+    if draw.extra is not None:  # research samplers: their state moves with each draw
+        sampling = sampling.replace(extra=samplers_extra.after_round(sampling.extra, draw.extra, tokens, lengths, sampled))
 
     new_state = state.replace(
         kv=kv,
@@ -151,6 +155,7 @@ def _round(
         done=done,
         seen=seen,
         out_counts=out_counts,
+        sampling=sampling,
     )
     out = StepOutput(
         tokens=tokens,
