@@ -110,6 +110,7 @@ class Sequence:
     prefilled: int = 0
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    entropies: list[float] = dataclasses.field(default_factory=list)  # research engines only
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     constraint: TokenConstraint | None = None
@@ -627,6 +628,8 @@ class Engine:
                 k = seq.params.top_logprobs
                 tops.append([(int(i), float(p)) for i, p in zip(o.top_ids[slot][:k], o.top_logprobs[slot][:k])])
                 seq.generated.append(token)
+                if o.entropy is not None:
+                    seq.entropies.append(float(o.entropy[slot]))
                 if seq.constraint is not None:
                     seq.constraint.advance(token)
                 if o.done[slot]:

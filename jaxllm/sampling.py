@@ -129,6 +129,7 @@ class Sampled:
     top_ids: jax.Array  # [B, 20] i32
     top_logprobs: jax.Array  # [B, 20] f32
     extra: samplers_extra.ExtraSampling | None = None  # the research samplers' state after this draw
+    entropy: jax.Array | None = None  # [B] f32 of the model's distribution (research engines only)
 
 
 def process_logits(
@@ -270,5 +271,6 @@ def sample(
     top_lp, top_ids = (
         jax.lax.cond(want_top, lambda: tuple(jax.lax.top_k(logprobs, n_top)), lambda: nothing) if full else nothing
     )
+    entropy = None if extra is None else -jnp.sum(jnp.where(jnp.isfinite(logprobs), jnp.exp(logprobs) * logprobs, 0.0), -1)
     return Sampled(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp,
-                   extra=None if extra is None else extra.replace(mu=mu))
+                   extra=None if extra is None else extra.replace(mu=mu), entropy=entropy)

@@ -71,6 +71,7 @@ class StepOutput:
     sampled: jax.Array  # [B] bool
     done: jax.Array  # [B] bool after this round
     expert_tokens: jax.Array  # [L, E] tokens routed to each expert ([L, 0] for dense models)
+    entropy: jax.Array | None = None  # [B] f32 of the model's distribution (research engines only)
 
 
 def empty_chunk(B: int) -> ChunkBatch:
@@ -165,6 +166,7 @@ def _round(
         sampled=sampled,
         done=done,
         expert_tokens=experts,
+        entropy=draw.entropy,
     )
     return new_state, out
 

@@ -1,0 +1,9 @@
+"""Research tools for notebooks: sampling comparisons, checkable tasks, frontier plots,
+sequence state in hand and model inspection. Needs the `research` extra (pandas, matplotlib),
+imported only when a function that needs it runs."""
+
+from jaxllm.research.compare import compare, summary
+from jaxllm.research.frontier import frontier, pareto_front
+from jaxllm.research.tasks import Task, make_tasks
+
+__all__ = ["compare", "summary", "frontier", "pareto_front", "Task", "make_tasks"]
