@@ -84,6 +84,20 @@ class Model:
                     del running[index]
         return [results[i] for i in range(len(ids))]
 
+    def prefill(self, ids: Sequence[int], **kwargs):
+        """Prefills `ids` once and returns its `SequenceState` (fork, rewind, save, continue);
+        see `jaxllm.sequence_state.prefill`."""
+        from jaxllm.sequence_state import prefill
+
+        return prefill(self, ids, **kwargs)
+
+    def generate_from(self, states, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), **kwargs):
+        """Continues one `SequenceState` (-> Completion) or several (-> list, batched); see
+        `jaxllm.sequence_state.generate_from`."""
+        from jaxllm.sequence_state import generate_from
+
+        return generate_from(self, states, params, **kwargs)
+
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Float32 logits [T, V] of every position of a prompt (one prefill, paged path)."""
         return np.asarray(prompt_logits(self.params, self.cfg, jnp.asarray(list(ids), jnp.int32)))

@@ -69,15 +69,17 @@ class Sample:
     entropies: list[float]
 
 
-def run_rows(model: Model, engine: Engine, rows: Sequence[tuple[list[int], SamplingParams]]) -> list[Sample]:
-    """Generates every (prompt ids, params) row, admitting rows as slots free up."""
+def run_rows(model: Model, engine: Engine, rows: Sequence[tuple]) -> list[Sample]:
+    """Generates every (prompt ids, params) or (prompt ids, params, checkpoint of all but the
+    prompt's last token) row, admitting rows as slots free up."""
     pending = list(enumerate(rows))
     running: dict[int, object] = {}
-    results: dict[int, Completion] = {}
+    results: dict[int, Sample] = {}
     while pending or running:
         while pending and engine.can_admit(len(pending[0][1][0]) + pending[0][1][1].max_tokens):
-            index, (ids, params) = pending.pop(0)
-            running[index] = engine.add(ids, params)
+            index, (ids, params, *rest) = pending.pop(0)
+            ckpt = rest[0] if rest else None
+            running[index] = engine.add(ids, params, checkpoint=ckpt, cached_tokens=len(ids) - 1 if ckpt is not None else 0)
         engine.step()
         for index, seq in list(running.items()):
             if seq.finish_reason is not None:
