@@ -1,0 +1,153 @@
+"""Looking inside the model on one prompt: residual-stream norms, the logit lens, attention
+weights of a layer, the experts MoE layers route each token to.
+
+The serving forward (`jaxllm.model.forward`) never materialises attention weights or keeps
+per-layer states, so this is a separate plain forward over one prompt built from the same
+layer functions (RMSNorm, RoPE, projections, MLPs); its final logits are tested equal to
+`Model.logits`, the paged path. Attention-only families (llama, qwen2, qwen3, qwen3_moe).
+
+Axes: L layers, T prompt tokens, H query heads, D model width, k experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.model.forward import lm_head
+from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
+from jaxllm.params import LayerParams, MoeParams, Params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trace:
+    """What one prompt did inside the model (numpy arrays)."""
+
+    tokens: list[str]  # [T] pieces
+    residual: np.ndarray  # [L + 1, T, D] the stream after the embedding and after each block
+    attention: np.ndarray  # [L, H, T, T] attention weights (query t over keys s <= t)
+    router_experts: np.ndarray | None  # [L, T, k] chosen experts (MoE models)
+    router_weights: np.ndarray | None  # [L, T, k] their weights
+    logits: np.ndarray  # [T, V] the model's output logits
+
+    @property
+    def hidden_norms(self) -> np.ndarray:
+        """[L + 1, T] L2 norm of the residual stream per layer and token."""
+        return np.linalg.norm(self.residual, axis=-1)
+
+
+def _layer_params(params: Params, i: int) -> LayerParams:
+    if isinstance(params.layers, tuple):
+        return params.layers[i]
+    return jax.tree.map(lambda x: x[i], params.layers)
+
+
+def _block(x: jax.Array, lp: LayerParams, cfg: ModelConfig, positions: jax.Array):
+    """One pre-norm block on [T, D]: returns (stream after it, attention [H, T, T], router
+    (experts, weights) or None)."""
+    a = lp.attn
+    h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
+    H, K = cfg.n_heads, cfg.n_kv_heads
+    if a.wqkv is not None:
+        q, k, v = jnp.split(project(h, a.wqkv), [H, H + K], axis=1)
+    else:
+        q, k, v = (project(h, w) for w in (a.wq, a.wk, a.wv))
+    if a.bq is not None:
+        q, k, v = q + a.bq, k + a.bk, v + a.bv
+    if a.q_norm is not None:
+        q, k = rms_norm(q, a.q_norm, cfg.rms_eps), rms_norm(k, a.k_norm, cfg.rms_eps)
+    inv_freq = rope_inv_freq(cfg)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    group = H // K  # query head h reads kv head h // group
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    T = x.shape[0]
+    scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
+    scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    attn = jnp.einsum("hts,shd->thd", weights.astype(v.dtype), v)
+    x = x + project(attn, a.wo, 2)
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_eps)
+    router = None
+    if isinstance(lp.mlp, MoeParams):
+        out, _ = moe_mlp(h, lp.mlp, cfg, jnp.ones((T,), bool))
+        probs = jax.nn.softmax(jnp.einsum("td,de->te", h, lp.mlp.router).astype(jnp.float32), axis=-1)
+        top_w, top_e = jax.lax.top_k(probs, cfg.n_experts_per_token)
+        if cfg.norm_topk_prob:
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        router = (top_e, top_w)
+    else:
+        out = dense_mlp(h, lp.mlp)
+    return x + out, weights, router
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _trace(params: Params, cfg: ModelConfig, ids: jax.Array):
+    x = params.embed[ids].astype(cfg.jnp_dtype)
+    positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    stream, attention, routers = [x], [], []
+    for i in range(cfg.n_layers):
+        x, weights, router = _block(x, _layer_params(params, i), cfg, positions)
+        stream.append(x)
+        attention.append(weights)
+        routers.append(router)
+    logits = lm_head(params, rms_norm(x, params.final_norm, cfg.rms_eps))
+    experts = None if routers[0] is None else (jnp.stack([r[0] for r in routers]), jnp.stack([r[1] for r in routers]))
+    return jnp.stack(stream), jnp.stack(attention), experts, logits
+
+
+def trace(model, ids: Sequence[int]) -> Trace:
+    """Runs one prompt (token ids) through the plain forward and keeps everything."""
+    cfg = model.cfg
+    if cfg.is_hybrid:
+        raise NotImplementedError("inspection covers attention-only families; this model has linear-attention layers")
+    residual, attention, experts, logits = jax.device_get(_trace(model.params, cfg, jnp.asarray(list(ids), jnp.int32)))
+    pieces = [model.tokenizer.decode([int(t)], skip_special_tokens=False) for t in ids]
+    return Trace(tokens=pieces, residual=np.asarray(residual, np.float32), attention=np.asarray(attention),
+                 router_experts=None if experts is None else np.asarray(experts[0]),
+                 router_weights=None if experts is None else np.asarray(experts[1]), logits=np.asarray(logits))
+
+
+@functools.partial(jax.jit, static_argnames=("top",))
+def _lens(params: Params, residual: jax.Array, eps: float, top: int):
+    n, T, D = residual.shape
+    flat = rms_norm(residual.reshape(n * T, D), params.final_norm, eps).astype(params.embed.dtype)
+    probs = jax.nn.softmax(lm_head(params, flat), axis=-1).reshape(n, T, -1)
+    return jax.lax.top_k(probs, top)
+
+
+def logit_lens(model, t: Trace, *, top: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The logit lens (nostalgebraist, 2020): each layer's residual stream read out through the
+    final norm and the unembedding. Returns ([L + 1, T, top] token ids, their probabilities)."""
+    probs, ids = _lens(model.params, jnp.asarray(t.residual, model.cfg.jnp_dtype), model.cfg.rms_eps, top)
+    return np.asarray(ids), np.asarray(probs)
+
+
+def logit_lens_table(model, t: Trace):
+    """A DataFrame (layers x tokens) of each layer's most likely next token, as text."""
+    import pandas as pd
+
+    ids, probs = logit_lens(model, t)
+    cells = [[f"{model.tokenizer.decode([int(i)], skip_special_tokens=False)!r} {p:.2f}" for i, p in zip(row, prow)]
+             for row, prow in zip(ids[..., 0], probs[..., 0])]
+    return pd.DataFrame(cells, index=["embed"] + [f"layer {i}" for i in range(len(cells) - 1)],
+                        columns=[f"{j}:{tok!r}" for j, tok in enumerate(t.tokens)])
+
+
+def plot_attention(t: Trace, layer: int, head: int | None = None, ax=None):
+    """Heatmap of one layer's attention (one head, or the mean over heads); returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    w = t.attention[layer].mean(0) if head is None else t.attention[layer, head]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 5))
+    ax.imshow(w, cmap="viridis")
+    ax.set_xticks(range(len(t.tokens)), t.tokens, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(t.tokens)), t.tokens, fontsize=7)
+    ax.set_title(f"layer {layer}" + ("" if head is None else f", head {head}"))
+    return ax
