@@ -42,12 +42,6 @@ class Trace:
         return np.linalg.norm(self.residual, axis=-1)
 
 
-def _layer_params(params: Params, i: int) -> LayerParams:
-    if isinstance(params.layers, tuple):
-        return params.layers[i]
-    return jax.tree.map(lambda x: x[i], params.layers)
-
-
 def _block(x: jax.Array, lp: LayerParams, cfg: ModelConfig, positions: jax.Array):
     """One pre-norm block on [T, D]: returns (stream after it, attention [H, T, T], router
     (experts, weights) or None)."""
@@ -90,15 +84,20 @@ def _block(x: jax.Array, lp: LayerParams, cfg: ModelConfig, positions: jax.Array
 def _trace(params: Params, cfg: ModelConfig, ids: jax.Array):
     x = params.embed[ids].astype(cfg.jnp_dtype)
     positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
-    stream, attention, routers = [x], [], []
-    for i in range(cfg.n_layers):
-        x, weights, router = _block(x, _layer_params(params, i), cfg, positions)
-        stream.append(x)
-        attention.append(weights)
-        routers.append(router)
-    logits = lm_head(params, rms_norm(x, params.final_norm, cfg.rms_eps))
-    experts = None if routers[0] is None else (jnp.stack([r[0] for r in routers]), jnp.stack([r[1] for r in routers]))
-    return jnp.stack(stream), jnp.stack(attention), experts, logits
+    if isinstance(params.layers, tuple):
+        outs = []
+        for lp in params.layers:
+            x, weights, router = _block(x, lp, cfg, positions)
+            outs.append((x, weights, router))
+        stream, attention, experts = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+    else:  # stacked layers: one compiled block under scan (a 30-layer model compiles in seconds)
+        def body(x, lp):
+            x, weights, router = _block(x, lp, cfg, positions)
+            return x, (x, weights, router)
+
+        _, (stream, attention, experts) = jax.lax.scan(body, x, params.layers)
+    logits = lm_head(params, rms_norm(stream[-1], params.final_norm, cfg.rms_eps))
+    return jnp.concatenate([params.embed[ids].astype(cfg.jnp_dtype)[None], stream]), attention, experts, logits
 
 
 def trace(model, ids: Sequence[int]) -> Trace:

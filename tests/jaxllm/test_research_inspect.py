@@ -68,3 +68,8 @@ def test_trace_matches_transformers(tmp_path, family):
     assert (np.diff(probs, axis=-1) <= 0).all()
     table = logit_lens_table(model, t)
     assert table.shape == (L + 1, len(PROMPT))
+    if family == "qwen3":  # unrolled layers (a tuple) trace the same as scanned ones
+        cfg_u, params_u = load_model(path, scan_layers=False, progress=False)
+        t_u = trace(Model(cfg=cfg_u, params=params_u, tokenizer=model.tokenizer), PROMPT)
+        np.testing.assert_allclose(t_u.residual, t.residual, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(t_u.attention, t.attention, rtol=1e-5, atol=1e-6)
