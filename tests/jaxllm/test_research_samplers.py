@@ -8,6 +8,8 @@ mirostat's μ follows its update rule; user processors see their row's context.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,13 +127,19 @@ def slot_rows(params: list[SamplingParams], prompts: list[list[int]] | None = No
     return jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *rows)
 
 
+@jax.jit
+def _sample(logits, s, positions):
+    """The compiled sampler with no penalties' state (one compilation per batch shape)."""
+    B = logits.shape[0]
+    return sample(logits, s, jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32), jnp.zeros((B,), jnp.int32),
+                  positions, jnp.bool_(False))
+
+
 def draw(logits: np.ndarray, params: list[SamplingParams], positions=None, prompts=None, processors=()):
     B = logits.shape[0]
     s = slot_rows(params, prompts, processors)
     positions = jnp.full((B,), 3, jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
-    fn = jax.jit(lambda lg, s, pos: sample(lg, s, jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32),
-                                           jnp.zeros((B,), jnp.int32), pos, jnp.bool_(False)))
-    return fn(jnp.asarray(logits), s, positions)
+    return _sample(jnp.asarray(logits), s, positions)
 
 
 KEEP_CASES = {
@@ -191,7 +199,7 @@ def test_draws_follow_the_numpy_distribution(name):
 
 
 def test_xtc_applies_with_its_probability():
-    n = 2000
+    n = 4000
     row = np.random.default_rng(7).standard_normal(V).astype(np.float32) * 1.5
     p = SamplingParams(temperature=1.0, xtc_probability=0.3, xtc_threshold=0.08)
     removed = ~np_xtc(row.astype(np.float64), 0.08)
@@ -244,8 +252,7 @@ def test_mirostat_mu_follows_its_update_rule():
     s = slot_rows(params)
     mu = np.full(8, 2 * tau)
     B = len(params)
-    fn = jax.jit(lambda s, pos: sample(jnp.asarray(np.repeat(row[None], B, 0)), s, jnp.zeros((B, V), bool),
-                                       jnp.zeros((B, V), jnp.int32), jnp.zeros((B,), jnp.int32), pos, jnp.bool_(False)))
+    fn = lambda s, pos: _sample(jnp.asarray(np.repeat(row[None], B, 0)), s, pos)  # noqa: E731
     for step in range(5):
         out = fn(s, jnp.full((B,), 3 + step, jnp.int32))
         tokens = np.asarray(out.tokens)
@@ -288,6 +295,23 @@ def test_neutral_extra_rows_draw_what_the_plain_sampler_does():
     with_extra = np.asarray(draw(logits, params).tokens)
     plain = slot_rows(params).replace(extra=None)
     B = len(params)
-    without = sample(jnp.asarray(logits), plain, jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32),
-                     jnp.zeros((B,), jnp.int32), jnp.full((B,), 3, jnp.int32), jnp.bool_(False))
+    without = jax.jit(lambda lg, s: sample(lg, s, jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32),
+                                           jnp.zeros((B,), jnp.int32), jnp.full((B,), 3, jnp.int32),
+                                           jnp.bool_(False)))(jnp.asarray(logits), plain)
     assert (with_extra == np.asarray(without.tokens)).all()
+
+
+def test_select_branches_draw_what_cond_branches_do():
+    """The GPU's branch-free sampler (every part computed, results selected) draws the same
+    tokens and moves mirostat's μ the same way with research rows in the batch."""
+    logits = fixed_logits(len(SAMPLERS) + 2, seed=9) * 2
+    params = [dataclasses.replace(p, seed=i) for i, (p, _) in enumerate(SAMPLERS.values())]
+    params += [SamplingParams(temperature=0), SamplingParams(temperature=0.8, dry_multiplier=1.0, seed=3)]
+    B = len(params)
+    s = slot_rows(params, prompts=[[1, 2, 3, 1, 2]] * B)
+    outs = [jax.jit(lambda lg, s, b=b: sample(lg, s, jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32),
+                                              jnp.zeros((B,), jnp.int32), jnp.full((B,), 5, jnp.int32),
+                                              jnp.bool_(False), branches=b))(jnp.asarray(logits), s)
+            for b in ("cond", "select")]
+    assert (np.asarray(outs[0].tokens) == np.asarray(outs[1].tokens)).all()
+    np.testing.assert_allclose(np.asarray(outs[0].extra.mu), np.asarray(outs[1].extra.mu), rtol=1e-6)
