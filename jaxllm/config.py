@@ -201,8 +201,10 @@ class ModelConfig:
     def param_count(self) -> int:
         gate = self.n_heads if self.is_hybrid else 0  # gated attention's output gate
         attn = self.d_model * self.head_dim * (2 * self.n_heads + gate + 2 * self.n_kv_heads)
+        attn += 2 * self.head_dim if self.qk_norm else 0
         Hv, Dv = self.linear_n_v_heads, self.linear_v_dim
         linear = self.d_model * (self.conv_dim + Hv * Dv + 2 * Hv) + Hv * Dv * self.d_model
+        linear += self.conv_dim * self.conv_kernel + 2 * Hv + Dv  # conv, dt_bias, A_log, gated-norm scale
         if self.is_moe:
             mlp = self.n_experts * 3 * self.d_model * self.moe_ffn_dim + self.d_model * self.n_experts
             mlp += 3 * self.d_model * self.shared_expert_ffn_dim + (self.d_model if self.shared_expert_ffn_dim else 0)
