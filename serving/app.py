@@ -62,7 +62,7 @@ class Server:
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Loads the model and starts the worker (which warms up); runs on its own thread."""
         from jaxllm.costs import model_costs
-        from jaxllm.state import kv_bytes_per_page
+        from jaxllm.state import kv_bytes_per_page, recurrent_bytes_per_sequence
 
         try:
             started = time.perf_counter()
@@ -81,6 +81,7 @@ class Server:
             self.scheduler = Scheduler(
                 engine, self.model.tokenizer, self.settings, self.metrics, self.sessions,
                 bytes_per_page=int(kv_bytes_per_page(cfg, engine.layout.page_size)), vocab=cfg.vocab_size,
+                recurrent_bytes=recurrent_bytes_per_sequence(cfg),
                 cache_options=f"{self.model_name}:{cfg.dtype}:{cfg.kv_dtype}".encode(), on_death=self.on_death, warmup=warm)
             self.scheduler.start()
         except BaseException as e:  # noqa: BLE001
@@ -167,7 +168,7 @@ async def _generate(request: Request, kind: str) -> Any:
     prepared = await loop.run_in_executor(None, prepare)
     pages = engine.pages_needed(len(prepared.prompt) + prepared.max_tokens)
     reservation = reservation_bytes(prepared, srv.scheduler.bytes_per_page, pages, cfg.vocab_size, settings,
-                                    len(request.body or b""))
+                                    len(request.body or b""), srv.scheduler.recurrent_bytes)
     never = None
     if prepared.n > engine.layout.max_slots:
         never = f"n={prepared.n} is more than the {engine.layout.max_slots} sequence slots"

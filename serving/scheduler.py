@@ -156,11 +156,12 @@ class Active:
 
 
 def reservation_bytes(prepared: Prepared, bytes_per_page: int, pages: int, vocab: int, settings: Settings,
-                      body_bytes: int) -> int:
-    """What the whole request can need: KV pages for prompt + max_tokens, sampler workspace,
-    token copies and message copies (the request body twice, the response budget)."""
+                      body_bytes: int, recurrent_bytes: int = 0) -> int:
+    """What the whole request can need: KV pages for prompt + max_tokens, the fixed recurrent
+    state of a hybrid model's linear-attention layers, sampler workspace, token copies and
+    message copies (the request body twice, the response budget)."""
     context = len(prepared.prompt) + prepared.max_tokens
-    per_choice = pages * bytes_per_page + vocab * 24 + context * 16
+    per_choice = pages * bytes_per_page + recurrent_bytes + vocab * 24 + context * 16
     return prepared.n * per_choice + 2 * body_bytes + settings.limits.response_bytes
 
 
@@ -185,6 +186,7 @@ class Scheduler:
 
     def __init__(self, engine: EngineLike, tokenizer: TokenizerLike, settings: SettingsStore, metrics: Metrics,
                  sessions: SessionStore, *, bytes_per_page: int, vocab: int, cache_options: bytes = b"",
+                 recurrent_bytes: int = 0,
                  clock: Callable[[], float] = time.perf_counter, on_death: Callable[[BaseException], None] | None = None,
                  warmup: Callable[[], None] | None = None):
         self.engine = engine
@@ -193,6 +195,7 @@ class Scheduler:
         self.metrics = metrics
         self.sessions = sessions
         self.bytes_per_page = bytes_per_page
+        self.recurrent_bytes = recurrent_bytes  # per sequence, fixed (hybrid models; else 0)
         self.vocab = vocab
         self.cache_options = cache_options
         self.clock = clock
@@ -634,6 +637,10 @@ class Scheduler:
             a.decode_seconds, _rate(decode, a.decode_seconds), ctx, self.engine.max_context,
             100 * ctx / max(self.engine.max_context, 1), used, layout.n_pages - 1, 100 * used / max(layout.n_pages - 1, 1),
         )
+        if self.recurrent_bytes:
+            live = len(self.engine.seqs)
+            log.info("serve %s: recurrent state %d/%d slots (%.1f MiB, %.0f%% full)", a.job.id, live, layout.max_slots,
+                     live * self.recurrent_bytes / 2**20, 100 * live / max(layout.max_slots, 1))
 
     # ---- housekeeping and the published snapshot ---------------------------------------
     def _housekeeping(self) -> None:
@@ -677,6 +684,9 @@ class Scheduler:
             "pages_in_use": pages_in_use,
             "pages_total": layout.n_pages - 1,
             "free_slots": len(self.engine.free_slots),
+            # Hybrid models: linear-attention layers hold a fixed-size state per live sequence.
+            "recurrent_state_bytes_in_use": self.recurrent_bytes * len(self.engine.seqs),
+            "recurrent_state_bytes_total": self.recurrent_bytes * layout.max_slots,
             "prefill_chunk_tokens": self.pacer.last,
             "prefill_rate_tokens_per_s": self.pacer.rate,
             "active": [
