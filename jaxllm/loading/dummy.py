@@ -15,7 +15,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.params import Params, param_shapes
 
 # RMSNorm scales: ones keep activations at unit scale like a freshly initialised model.
-_NORM_LEAVES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
+_NORM_LEAVES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "norm_embedding", "norm_hidden")
 _STD = 0.02  # small enough that 100+ layers of residual adds stay finite in bfloat16
 
 
