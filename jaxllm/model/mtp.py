@@ -21,6 +21,8 @@ EAGLE-style proposer (`v1/spec_decode/llm_base_proposer.py`):
 No cache here: attention is causal among the rows handed in, in row order, so the rows must
 be consecutive positions of one sequence. Given the whole sequence this equals vLLM's head
 (whose K/V cache holds every earlier row); given a suffix, the rows before it are not seen.
+RoPE makes scores depend on position differences only, so without a cache an offset in
+`positions` changes nothing; it starts to matter once the head's K/V are cached.
 """
 
 from __future__ import annotations

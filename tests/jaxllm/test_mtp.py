@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hf_tiny import make_tiny_hf_model  # noqa: E402
-
-from jaxllm.config import config_from_hf  # noqa: E402
-from jaxllm.loading import load_model  # noqa: E402
-from jaxllm.loading.dummy import dummy_params  # noqa: E402
-from jaxllm.model.mtp import mtp_draft, mtp_forward  # noqa: E402
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from hf_tiny import make_tiny_hf_model
+from jaxllm.config import config_from_hf
+from jaxllm.loading import load_model
+from jaxllm.loading.dummy import dummy_params
+from jaxllm.model.mtp import mtp_draft, mtp_forward
 
 FAMILIES = ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")
 MTP_SHARD = "model-mtp.safetensors"
@@ -66,7 +61,7 @@ def _reference_modules(model: Any, seed: int) -> dict[str, Any]:
         for mod in mods.values():
             mod.to(torch.float32).eval()
             for name, p in mod.named_parameters():
-                if name.endswith("norm.weight") or name == "weight" and p.ndim == 1:
+                if name.endswith("norm.weight") or (name == "weight" and p.ndim == 1):
                     w = 0.1 * rng.standard_normal(p.shape)  # zero-centred norms: scale 1 + w
                 else:
                     w = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
