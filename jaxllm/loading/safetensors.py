@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig, config_from_hf
 from jaxllm.loading.assemble import ParamAssembler, heads_bias, heads_in, heads_out, linear
-from jaxllm.loading.hf_hybrid import centred, hybrid_layer_tensor, mtp_tensor
+from jaxllm.loading.hf_hybrid import centred, hybrid_layer_tensor, mtp_tensor, without_absent_mtp
 from jaxllm.params import Params
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -147,10 +147,12 @@ def load_safetensors_model(
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     cfg = config_from_hf(read_hf_config(model_dir), dtype=dtype, scan_layers=scan_layers)
+    files = _shard_files(model_dir)
+    cfg = without_absent_mtp(cfg, (k for p in files for k in safe_open(str(p), framework="numpy").keys()))
     asm = ParamAssembler(cfg)
     unknown: list[str] = []
     layer_tensor = hybrid_layer_tensor if cfg.is_hybrid else _layer_tensor
-    for name, get in _iter_tensors(_shard_files(model_dir), progress):
+    for name, get in _iter_tensors(files, progress):
         name = _WRAPPED.sub("model.", name)
         if _VISION.match(name):
             continue  # the vision tower of a multimodal checkpoint: text only here
