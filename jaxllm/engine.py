@@ -29,6 +29,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.model.kernel_choice import plain_sampler_pays
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingParams, needs_full_sampler, sampling_row, seed_to_u32
+from jaxllm.speculative import DraftControl, prompt_lookup
 from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row, pages_bucket
 
 
@@ -75,11 +76,16 @@ class EngineConfig:
     # first pass), which would otherwise fall on the first request of each round shape; on
     # the CPU there are none worth the seconds the runs take.
     warmup_runs: bool | None = None
+    # Speculative decoding: drafts verified per decoding sequence and round (0 = off). Each
+    # round then feeds up to this many + 1 tokens per sequence (`jaxllm.steps.verify`).
+    max_drafts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "decode_steps_per_call", "decode_unroll", "chunk_segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_drafts <= 16:
+            raise ValueError(f"max_drafts must be in [0, 16], got {self.max_drafts}")
         if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)) or self.chunk_buckets[0] < 1:
             raise ValueError(f"chunk_buckets must be positive and ascending, got {list(self.chunk_buckets)}")
 
@@ -111,6 +117,8 @@ class Sequence:
     # Prompt positions where a prompt chunk must end: a recurrent state exists only where a
     # round stopped, so prefix-cache checkpoints of hybrid models are taken there.
     stops: list[int] = dataclasses.field(default_factory=list)
+    drafting: DraftControl | None = None  # None: this sequence does not draft
+    verifying: int = 0  # tokens an in-flight verification round may emit (collect settles it)
 
     @property
     def position_bound(self) -> int:
@@ -126,7 +134,7 @@ class Sequence:
         """A constrained sequence whose drawn tokens are not all collected: its next mask
         needs them, so it sits out rounds launched before that collect."""
         drawn = self.dispatched + 1  # the first token comes with the last prompt chunk
-        return self.constraint is not None and len(self.generated) < drawn
+        return (self.constraint is not None and len(self.generated) < drawn) or self.verifying > 0
 
     @property
     def fully_dispatched(self) -> bool:
@@ -178,13 +186,39 @@ class Round:
     seqs: dict[int, Sequence]  # slot -> sequence as of dispatch
     multi: bool
     prefill_tokens: int
+    drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # slot -> drafts verified
+
+
+@dataclasses.dataclass
+class DraftStats:
+    """Speculative decoding since start: drafts verified and accepted at each draft position."""
+
+    max_drafts: int
+    proposed: np.ndarray = dataclasses.field(init=False)  # [K] drafts verified at position j
+    accepted: np.ndarray = dataclasses.field(init=False)  # [K] of them accepted
+
+    def __post_init__(self) -> None:
+        self.proposed = np.zeros((self.max_drafts,), np.int64)
+        self.accepted = np.zeros((self.max_drafts,), np.int64)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed[:proposed] += 1
+        self.accepted[:accepted] += 1
+
+    def acceptance(self) -> list[float | None]:
+        """Acceptance rate per draft position (None where nothing was drafted there yet)."""
+        return [None if p == 0 else float(a / p) for p, a in zip(self.proposed, self.accepted)]
 
 
 class Engine:
     """Owns params + decode state + compiled steps; `add` / `launch` / `collect` / `remove`."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, eos_ids: Seq[int] = (), config: EngineConfig = EngineConfig()):
+    def __init__(self, cfg: ModelConfig, params: Params, *, eos_ids: Seq[int] = (), config: EngineConfig = EngineConfig(),
+                 draft_source: Callable[[list[int], int], list[int]] = prompt_lookup):
+        """`draft_source(tokens, k)` proposes up to k tokens to follow `tokens` (a sequence's
+        prompt and output so far) when `config.max_drafts` > 0."""
         self.cfg = cfg
+        self.draft_source = draft_source
         self.params = params
         self.config = config
         self.eos_ids = frozenset(eos_ids)
@@ -203,6 +237,7 @@ class Engine:
         # Tokens routed to each expert since start, [L, E] ([L, 0] for dense models).
         self.expert_tokens = np.zeros((cfg.n_layers, cfg.n_experts if cfg.is_moe else 0), np.int64)
         self._seed_counter = itertools.count(1)
+        self.draft_stats = DraftStats(config.max_drafts)
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
         self._compiled: dict[tuple, Callable[..., Any]] = {}
@@ -251,7 +286,7 @@ class Engine:
         self.state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
         seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
                        constraint=constraint, stops=sorted({int(b) for b in stops if 0 < b < len(prompt)})
-                       if self.cfg.n_linear_layers else [])
+                       if self.cfg.n_linear_layers else [], drafting=self._draft_control(params, constraint))
         if checkpoint is not None:
             if not 0 < cached_tokens < len(prompt):
                 self._give_back(slot, pages)
@@ -263,6 +298,12 @@ class Engine:
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
         return seq
+
+    def _draft_control(self, params: SamplingParams, constraint: TokenConstraint | None) -> DraftControl | None:
+        """Drafting for a new sequence: up to the request's `drafts` (None: the engine's
+        `max_drafts`), never for constrained ones (their masks need the host per token)."""
+        most = self.config.max_drafts if params.drafts is None else min(params.drafts, self.config.max_drafts)
+        return DraftControl(most=most) if most > 0 and constraint is None else None
 
     def _give_back(self, slot: int, pages: list[int]) -> None:
         """Returns a slot and pages taken by an `add` that then failed."""
@@ -469,6 +510,11 @@ class Engine:
         inputs = inputs.replace(want_top=np.bool_(any(s.params.top_logprobs > 0 for s in self.seqs.values())))
         snapshot = dict(self.seqs)
 
+        if not prefilling and self.config.max_drafts:
+            drafts = self._propose(decoding)
+            if drafts:
+                return self._launch_verify(inputs, decoding, drafts, snapshot)
+
         # Several steps per call only help unconstrained slots (a constrained one takes the
         # first step alone); when every decoding slot is constrained one step is all the work.
         free = any(s.constraint is None for s in decoding)
@@ -511,6 +557,49 @@ class Engine:
                 decode_width=width,
             )
         return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt)
+
+    def _propose(self, decoding: list[Sequence]) -> dict[int, list[int]]:
+        """Drafts for the decoding sequences whose every token is collected (drafts continue
+        the text the host has); {} when none has any."""
+        out: dict[int, list[int]] = {}
+        for s in decoding:
+            if s.drafting is None or s.constraint is not None or len(s.generated) != s.dispatched + 1:
+                continue
+            # Never past max_tokens (nor so past the reserved pages).
+            k = min(s.drafting.wanted(), s.params.max_tokens - len(s.generated) - 1)
+            proposal = list(self.draft_source(s.prompt + s.generated, k))[:k] if k > 0 else []
+            if proposal:
+                out[s.slot] = proposal
+        return out
+
+    def _launch_verify(self, inputs: steps.RoundInputs, decoding: list[Sequence], drafts: dict[int, list[int]],
+                       snapshot: dict[int, Sequence]) -> Round:
+        """One verification round for every decoding sequence (those without drafts decode one
+        token in it); they all sit out later launches until `collect` has settled it."""
+        B, K = self.layout.max_slots, self.config.max_drafts
+        tokens = np.zeros((B, K), np.int32)
+        count = np.zeros((B,), np.int32)
+        for slot, proposal in drafts.items():
+            tokens[slot, : len(proposal)] = proposal
+            count[slot] = len(proposal)
+        # Constrained sequences wait for the next plain round (their masks need the host).
+        decoding = [s for s in decoding if s.constraint is None]
+        inputs.decode_mask[:] = False
+        inputs.decode_mask[[s.slot for s in decoding]] = True
+        for s in decoding:
+            s.verifying = 1 + int(count[s.slot])
+            s.dispatched += s.verifying
+        ctx = self._ctx_pages(max(s.position_bound for s in decoding) + 1)
+        full = not plain_sampler_pays(self.cfg) or any(needs_full_sampler(s.params) for s in decoding)
+        d = steps.Drafts(tokens=tokens, count=count)
+        compiled = self._compiled.get(("verify", K, ctx, full))
+        if compiled is not None:
+            self.state, out = compiled(self.params, self.state, inputs, d)
+        else:
+            self.state, out = steps.verify(self.params, self.state, inputs, d, cfg=self.cfg, n_ctx_pages=ctx,
+                                           full_sampler=full)
+        return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0,
+                     drafts={s.slot: int(count[s.slot]) for s in decoding})
 
     @staticmethod
     def _constrain(inputs: steps.RoundInputs, sampling: list[Sequence]) -> None:
@@ -615,7 +704,24 @@ class Engine:
                 seq.logprobs.extend(lps)
                 seq.top_logprobs.extend(tops)
                 events.append(TokenEvent(seq.id, new, lps, tops, seq.finish_reason))
+            self._settle_drafts(seq, handle, len(new))
         return events
+
+    def _settle_drafts(self, seq: Sequence, handle: Round, n_new: int) -> None:
+        """After a collect: a verification round's real token count replaces the bound it was
+        dispatched with, and the sequence's drafting adapts to what was accepted."""
+        proposed = handle.drafts.get(seq.slot)
+        if proposed is None:  # not part of a verification round
+            if seq.drafting is not None:
+                seq.drafting.plain_tokens(n_new)
+            return
+        if seq.verifying:
+            seq.dispatched -= seq.verifying - n_new
+            seq.verifying = 0
+        if seq.drafting is not None and proposed:
+            accepted = min(max(n_new - 1, 0), proposed)
+            seq.drafting.verified(proposed, accepted)
+            self.draft_stats.record(proposed, accepted)
 
     def _is_stop(self, seq: Sequence, token: int) -> bool:
         stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_ids))

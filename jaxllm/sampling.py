@@ -41,6 +41,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # Speculative drafts per round (None: the engine's default, 0: none); drafts never change
+    # the tokens, only how many one round can emit.
+    drafts: int | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first invalid field."""
@@ -55,6 +58,7 @@ class SamplingParams:
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (self.drafts is None or self.drafts >= 0, "drafts must be >= 0"),
             (all(0 <= t < vocab_size for t in self.logit_bias), "logit_bias has a token id outside the vocabulary"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
             (all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids has an id outside the vocabulary"),
