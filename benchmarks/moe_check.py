@@ -155,13 +155,10 @@ def floor_seconds(x, layers, s) -> float:
     return total / len(layers) / COPY_BPS
 
 
-SWEEP = [  # one knob at a time from the defaults
-    (), (("gu_block_n", 16),), (("gu_block_n", 32),), (("gu_block_n", 64),), (("gu_block_n", 128),),
-    (("gu_block_k", 128),), (("gu_block_k", 256),), (("dn_block_n", 32),), (("dn_block_n", 128),),
-    (("dn_block_k", 128),), (("dn_block_k", 256),), (("num_stages", 4),), (("num_stages", 2),),
-    (("num_warps", 2),), (("num_warps", 8),), (("gu_split", 2),), (("gu_split", 4),), (("gu_split", 8),),
-    (("gu_split", 4), ("gu_block_n", 64)), (("gu_split", 8), ("gu_block_n", 64)), (("gu_split", 4), ("gu_block_k", 128)),
-    (("gu_split", 4), ("dn_block_n", 32)), (("gu_split", 4), ("dn_block_n", 128)),
+SWEEP = [  # one knob at a time from the layout's defaults (moe_kernels.DEFAULTS)
+    (), (("gu_block_n", 32),), (("gu_block_n", 64),), (("gu_block_n", 128),), (("gu_block_k", 64),),
+    (("gu_block_k", 128),), (("dn_block_n", 128),), (("dn_block_k", 128),), (("num_stages", 3),),
+    (("num_stages", 4),), (("num_stages", 5),), (("num_warps", 8),),
 ]
 
 

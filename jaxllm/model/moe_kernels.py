@@ -73,8 +73,9 @@ def moe_kernel(dtype: jnp.dtype, d_model: int, ffn: int) -> str | None:
 
 
 # Rounds of at most this many tokens use the "pairs" layout (no sort; a shared expert is read
-# once per pair), wider rounds the grouped one.
-PAIRS_MAX_TOKENS = 4
+# once per pair), wider rounds the grouped one: on the H200 pairs won at 1 and 2 tokens, tied
+# at 4 and lost from 8 on (docs/lab/moe-h200.md).
+PAIRS_MAX_TOKENS = 2
 
 
 def moe_layout(n_tokens: int) -> str:
@@ -139,7 +140,7 @@ def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int) -> Blocks:
     out_row = jnp.zeros((P,), jnp.int32).at[order].set(row_of_sorted)
     rows = jnp.zeros((n_blocks * block_m,), jnp.int32).at[row_of_sorted].set(order // k)
     # "compare_all": one fusion. The default bisection is a while loop, and each trip of a
-    # while loop on the GPU waits for its predicate on the host.
+    # while loop on the GPU waits for its predicate on the host (measured: ~120 us a layer).
     block_expert = jnp.searchsorted(block_end, jnp.arange(n_blocks, dtype=jnp.int32), side="right",
                                     method="compare_all")
     block_expert = jnp.minimum(block_expert, E - 1).astype(jnp.int32)
@@ -154,9 +155,9 @@ def _row_tile(b, rows_per_block: int, row_div: int, bm: int, n_rows: int):
     return row0, live
 
 
-def _gate_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, D: int, F: int, block_k: int, block_n: int,
-                    rows_per_block: int, row_div: int, bm: int, split: int, precision):
-    b, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _gate_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, D: int, block_k: int, block_n: int,
+                    rows_per_block: int, row_div: int, bm: int, precision):
+    b, n = pl.program_id(0), pl.program_id(1)
 
     @pl.when(b < used_ref[0])
     def _():
@@ -164,10 +165,9 @@ def _gate_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, D: int, F
         n0 = pl.multiple_of(n * block_n, block_n)
         row0, live = _row_tile(b, rows_per_block, row_div, bm, x_ref.shape[0])
         masked = rows_per_block < bm
-        steps = D // block_k // split
 
         def body(i, accs):
-            k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
+            k0 = pl.multiple_of(i * block_k, block_k)
             cols = pl.ds(k0, block_k)
             if masked:
                 xt = plgpu.load(x_ref.at[pl.ds(row0, bm), cols], mask=live[:, None], other=0)
@@ -180,21 +180,17 @@ def _gate_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, D: int, F
             return accs[0] + dot(xt, wg), accs[1] + dot(xt, wu)
 
         zero = jnp.zeros((bm, block_n), jnp.float32)
-        g, u = lax.fori_loop(0, steps, body, (zero, zero))
-        rows = pl.ds(b * rows_per_block, bm)
-        if split == 1:
-            parts = [(h_ref.at[rows, pl.ds(n0, block_n)], (jax.nn.silu(g) * u).astype(h_ref.dtype))]
-        else:  # float32 partials of gate | up; the down kernel sums them and applies SwiGLU
-            parts = [(h_ref.at[s, rows, pl.ds(n0, block_n)], g), (h_ref.at[s, rows, pl.ds(F + n0, block_n)], u)]
-        for out, val in parts:
-            if masked:
-                plgpu.store(out, val, mask=live[:, None])
-            else:
-                out[...] = val
+        g, u = lax.fori_loop(0, D // block_k, body, (zero, zero))
+        h = (jax.nn.silu(g) * u).astype(h_ref.dtype)
+        out = h_ref.at[pl.ds(b * rows_per_block, bm), pl.ds(n0, block_n)]
+        if masked:
+            plgpu.store(out, h, mask=live[:, None])
+        else:
+            out[...] = h
 
 
 def _down_kernel(be_ref, used_ref, h_ref, wd_ref, rw_ref, o_ref, *, F: int, block_k: int, block_n: int,
-                 rows_per_block: int, bm: int, split: int, precision):
+                 rows_per_block: int, bm: int, precision):
     b, n = pl.program_id(0), pl.program_id(1)
 
     @pl.when(b < used_ref[0])
@@ -205,26 +201,13 @@ def _down_kernel(be_ref, used_ref, h_ref, wd_ref, rw_ref, o_ref, *, F: int, bloc
         live = lax.broadcasted_iota(jnp.int32, (bm,), 0) < rows_per_block
         masked = rows_per_block < bm
 
-        def load_h(k0):
-            """The [bm, block_k] tile of silu(gate) * up at columns k0.., in wd's dtype."""
-            rows = pl.ds(row0, bm)
-            if split == 1:
-                if masked:
-                    return plgpu.load(h_ref.at[rows, pl.ds(k0, block_k)], mask=live[:, None], other=0)
-                return h_ref[rows, pl.ds(k0, block_k)]
-            mask = jnp.broadcast_to(live[:, None], (bm, block_k))
-
-            def summed(c0):
-                return functools.reduce(jnp.add, [
-                    plgpu.load(h_ref.at[jnp.int32(i), rows, pl.ds(c0, block_k)], mask=mask, other=0)
-                    for i in range(split)])
-
-            return (jax.nn.silu(summed(k0)) * summed(F + k0)).astype(wd_ref.dtype)
-
         def body(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             cols = pl.ds(k0, block_k)
-            ht = load_h(k0)
+            if masked:
+                ht = plgpu.load(h_ref.at[pl.ds(row0, bm), cols], mask=live[:, None], other=0)
+            else:
+                ht = h_ref[pl.ds(row0, bm), cols]
             wd = wd_ref[e, cols, pl.ds(n0, block_n)]
             return acc + lax.dot_general(ht, wd, (((1,), (0,)), ((), ())), precision=precision,
                                          preferred_element_type=jnp.float32)
@@ -240,6 +223,16 @@ def _down_kernel(be_ref, used_ref, h_ref, wd_ref, rw_ref, o_ref, *, F: int, bloc
             plgpu.store(out, y, mask=live[:, None])
         else:
             out[...] = y
+
+
+# Launch defaults per layout, from one-knob-at-a-time sweeps on the H200 (docs/lab/moe-h200.md):
+# the pairs layout (a few rows, 8-16 blocks) wants deeper pipelining and longer K steps; the
+# grouped one (100+ blocks) wider gate/up column tiles. Splitting gate/up over D into float32
+# partials (more programs for the pairs layout) measured slower at every split and was dropped.
+DEFAULTS: dict[str, dict[str, int]] = {
+    "pairs": dict(gu_block_k=128, gu_block_n=32, dn_block_k=64, dn_block_n=64, num_warps=4, num_stages=4),
+    "grouped": dict(gu_block_k=64, gu_block_n=128, dn_block_k=64, dn_block_n=64, num_warps=4, num_stages=3),
+}
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "block_m", "interpret", "config"))
@@ -267,10 +260,7 @@ def moe_ffn(
       block_m: rows per grouped block (default: `default_block_m`).
       interpret: run the kernels in the Pallas interpreter (CPU tests).
       config: launch overrides as (name, value) pairs: gu_block_k, gu_block_n, dn_block_k,
-        dn_block_n (tile sizes; powers of two >= 16 dividing D or F), gu_split (the gate/up
-        kernel's programs per column tile, each summing a share of D into float32 partials
-        that the down kernel adds up: more programs when there are few blocks), num_warps,
-        num_stages.
+        dn_block_n (tile sizes; powers of two >= 16 dividing D or F), num_warps, num_stages.
 
     Returns:
       [T, D] in x's dtype; each token's k rows summed in float32.
@@ -281,8 +271,11 @@ def moe_ffn(
     if not shapes_supported(D, F):
         raise ValueError(f"D={D} and F={F} must be multiples of {MIN_DOT}")
     layout = layout or moe_layout(T)
-    cfg = dict(gu_block_k=64, gu_block_n=32 if layout == "pairs" else 64, gu_split=1, dn_block_k=64,
-               dn_block_n=64, num_warps=4, num_stages=3)
+    if layout not in DEFAULTS:
+        raise ValueError(f"layout must be pairs or grouped, got {layout!r}")
+    cfg = dict(DEFAULTS[layout])
+    if set(dict(config)) - set(cfg):
+        raise ValueError(f"unknown launch settings {sorted(set(dict(config)) - set(cfg))}")
     cfg.update(dict(config))
     if layout == "pairs":
         blocks, bm = pair_blocks(top_e), MIN_DOT
@@ -305,19 +298,13 @@ def moe_ffn(
     precision = lax.Precision.HIGHEST if w_gate.dtype == jnp.float32 else None
     params = compiler_params(interpret=interpret, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     x_in = x_in.astype(w_gate.dtype)
-    split = cfg["gu_split"]
-    if D % (gu_bk * split):
-        raise ValueError(f"gu_split={split} does not divide D={D} into {gu_bk}-row steps")
-    common = dict(rows_per_block=blocks.rows_per_block, bm=bm, split=split, precision=precision)
+    common = dict(rows_per_block=blocks.rows_per_block, bm=bm, precision=precision)
 
-    if split == 1:
-        h_shape = jax.ShapeDtypeStruct((n_rows, F), w_gate.dtype)
-    else:
-        h_shape = jax.ShapeDtypeStruct((split, n_rows, 2 * F), jnp.float32)
+    h_shape = jax.ShapeDtypeStruct((n_rows, F), w_gate.dtype)
     args = (blocks.block_expert, blocks.used, x_in, w_gate, w_up)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, D=D, F=F, block_k=gu_bk, block_n=gu_bn, row_div=blocks.row_div, **common),
-        grid=(blocks.n_blocks, F // gu_bn, split),
+        functools.partial(_gate_up_kernel, D=D, block_k=gu_bk, block_n=gu_bn, row_div=blocks.row_div, **common),
+        grid=(blocks.n_blocks, F // gu_bn),
         in_specs=[whole_block(a) for a in args],
         out_specs=whole_block(h_shape),
         out_shape=h_shape,

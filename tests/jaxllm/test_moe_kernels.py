@@ -35,27 +35,25 @@ def _routing(rng, T: int, E: int, k: int, skew: bool):
     return jnp.asarray(top_e, jnp.int32), jnp.asarray(top_w / top_w.sum(1, keepdims=True))
 
 
-# (T, E, k, layout, block_m, skew, gu_split)
+# (T, E, k, layout, block_m, skew)
 CASES = [
-    (1, 8, 2, "pairs", None, False, 1),
-    (3, 8, 2, "pairs", None, False, 1),  # three tokens, some expert likely shared
-    (3, 8, 2, "pairs", None, False, 2),  # gate/up as float32 partials over two shares of D
-    (1, 8, 2, "grouped", 16, False, 1),
-    (9, 8, 2, "grouped", 16, False, 2),
-    (40, 4, 2, "grouped", 16, True, 1),  # ~27 rows per expert: two or three blocks each
-    (20, 16, 4, "grouped", 32, False, 1),  # more experts than pairs per expert: many unused
+    (1, 8, 2, "pairs", None, False),
+    (3, 8, 2, "pairs", None, False),  # three tokens, some expert likely shared
+    (1, 8, 2, "grouped", 16, False),
+    (9, 8, 2, "grouped", 16, False),
+    (40, 4, 2, "grouped", 16, True),  # ~27 rows per expert: two or three blocks each
+    (20, 16, 4, "grouped", 32, False),  # more experts than pairs per expert: many unused
 ]
 
 
-@pytest.mark.parametrize("T,E,k,layout,block_m,skew,gu_split", CASES)
-def test_kernels_match_reference(T, E, k, layout, block_m, skew, gu_split):
+@pytest.mark.parametrize("T,E,k,layout,block_m,skew", CASES)
+def test_kernels_match_reference(T, E, k, layout, block_m, skew):
     rng = np.random.default_rng(T * 100 + E * 10 + k)
     D, F = 64, 32
     wg, wu, wd = _weights(rng, E, D, F)
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     top_e, top_w = _routing(rng, T, E, k, skew)
-    config = SMALL + (("gu_split", gu_split),)
-    ours = moe_ffn(x, top_e, top_w, wg, wu, wd, layout=layout, block_m=block_m, interpret=True, config=config)
+    ours = moe_ffn(x, top_e, top_w, wg, wu, wd, layout=layout, block_m=block_m, interpret=True, config=SMALL)
     ref = moe_ffn_reference(x, top_e, top_w, wg, wu, wd)
     assert ours.shape == (T, D) and ours.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-5, atol=2e-5)
@@ -92,7 +90,7 @@ def test_grouped_blocks_place_every_pair_once_in_its_experts_block():
 
 
 def test_layout_per_round_width():
-    assert moe_layout(1) == "pairs" and moe_layout(64) == "grouped"
+    assert moe_layout(1) == "pairs" and moe_layout(2) == "pairs" and moe_layout(8) == "grouped"
 
 
 @pytest.mark.parametrize("dtype,T", [("float32", 1), ("float32", 7), ("bfloat16", 5)])
