@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark plan in one script (an H200 with JAX 0.11 + CUDA plugin, no network).
 # Usage (repo root, with the wheels of the packages the machine lacks in .whl/):
-#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|unroll|decode|kv8] [OUT_DIR]
+#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|unroll|decode|kv8|moe|moe_engine] [OUT_DIR]
 # Installs the project without touching the machine's jax (--no-deps --no-index), then runs
 # the engine cases (benchmarks/gpu_engine.py) and/or the server cases (jaxllm bench-serve
 # against `jaxllm serve --load-format dummy`), printing one table each.
@@ -95,4 +95,22 @@ if [[ $what == decode ]]; then
       --decode-matmul $mm --out "$out/profile-8b-$mm" 2>&1 | grep -v "^W0\|^I0"
   done
   rm -rf "$out"/profile-*/raw
+fi
+
+# The MoE layer (issue 18): kernels against a float32 reference at real shapes, per-layer time
+# by round width for each implementation, a one-knob-at-a-time sweep of the kernels' tiles
+# (MOE_SWEEP, 'variant:tokens' list), both MoE shapes (benchmarks/moe_check.py).
+if [[ $what == moe ]]; then
+  timeout ${MOE_CHECK_S:-330} python3 benchmarks/moe_check.py --shapes qwen3-30b-a3b --out "$out/moe-30b.json" \
+    --sweep "${MOE_SWEEP:-pairs:1,grouped16:16,grouped16:64}" ${MOE_ARGS:-} 2>&1 | grep -v "^W0\|^I0\|^E0"
+  timeout ${MOE_CHECK35_S:-180} python3 benchmarks/moe_check.py --shapes qwen3.5-35b-a3b --out "$out/moe-35b.json" \
+    ${MOE35_ARGS:-} 2>&1 | grep -v "^W0\|^I0\|^E0"
+fi
+
+# Qwen3-30B-A3B in the engine: batch-1 decode, then 16 and 64 concurrent sequences at the mean
+# context of 1k-in/1k-out requests (1536); XLA's rematerialization warnings are printed.
+if [[ $what == moe_engine ]]; then
+  timeout ${MOE_ENGINE_S:-560} python3 benchmarks/gpu_engine.py --config configs/qwen3-30b-a3b.json --cases ${MOE_ENGINE_CASES:-a_steps,c} \
+    --c-slots ${MOE_SLOTS:-16,64} --c-context 1536 --out "$out/engine-30b.json" 2>&1 | tee "$out/engine-30b.log" \
+    | grep -E "^A |^C |rematerial|Can't reduce|Error|error:"
 fi

@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
     ap.add_argument("--kv-dtype", default="auto", help="ModelConfig.kv_dtype of every case (float8_e4m3fn: an 8-bit cache)")
+    ap.add_argument("--c-slots", default="64", help="case C's concurrent sequences, comma-separated (e.g. 16,64)")
     ap.add_argument("--c-context", type=int, default=CTX,
                     help="prompt length of case C (1536: the mean context of 64 x 1k-in/1k-out requests)")
     args = ap.parse_args()
@@ -188,21 +189,24 @@ def main() -> None:
         print(f"B prefill 2k: {s*1e3:.1f} ms, MFU {flops/s/790e12:.0%} of 790 TFLOP/s", flush=True)
         del eng
 
-    if "c" in cases:
-        eng = engine_for(cfg, params, slots=64, max_seq_len=2048 + 64, chunk=1024, steps=args.steps)
+    for slots in [int(n) for n in args.c_slots.split(",")] if "c" in cases else []:
+        eng = engine_for(cfg, params, slots=slots, max_seq_len=2048 + 64, chunk=1024, steps=args.steps)
         ctx = args.c_context
-        prompts = [rng.integers(0, cfg.vocab_size, ctx).tolist() for _ in range(64)]
+        sfx = "" if slots == 64 else f"_{slots}"
+        prompts = [rng.integers(0, cfg.vocab_size, ctx).tolist() for _ in range(slots)]
         t = time.perf_counter()
         prefill(eng, prompts, max_tokens=2048 + 64 - ctx)
-        results["c_prefill_64x1k_s"] = time.perf_counter() - t
+        results[f"c_prefill_{slots}x1k_s"] = prefill_s = time.perf_counter() - t
         per_call = decode_seconds_per_call(eng, calls=3)
-        tok_s = 64 * args.steps / per_call
+        tok_s = slots * args.steps / per_call
         step_s = per_call / args.steps
         # Mean context over the timed calls: the prompt plus the ~(1 + 5 * 3) calls' steps so far.
-        mbu = costs.decode_step_bytes(64 * (ctx + 8 * args.steps)) / step_s / 4.3e12
-        results.update(c_decode_tok_s_64x1k=tok_s, c_step_ms=step_s * 1e3, c_mbu=mbu, c_context=ctx)
-        print(f"C 64 concurrent at {ctx} ctx: {tok_s:.0f} output tok/s (decode only), {step_s * 1e3:.2f} ms/step, "
-              f"MBU {mbu:.0%}; prefill of 64 prompts took {results['c_prefill_64x1k_s']:.1f}s incl. compile", flush=True)
+        mbu = costs.decode_step_bytes(slots * (ctx + 8 * args.steps)) / step_s / 4.3e12
+        results.update({f"c_decode_tok_s_{slots}x1k": tok_s, f"c_step_ms{sfx}": step_s * 1e3, f"c_mbu{sfx}": mbu,
+                        "c_context": ctx})
+        print(f"C {slots} concurrent at {ctx} ctx: {tok_s:.0f} output tok/s (decode only), {step_s * 1e3:.2f} ms/step, "
+              f"MBU {mbu:.0%}; prefill of {slots} prompts took {prefill_s:.1f}s incl. compile", flush=True)
+        del eng
 
     print(json.dumps(results, indent=1))
     if args.out:
