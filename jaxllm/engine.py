@@ -406,6 +406,11 @@ class Engine:
                             steps.step.lower(self.params, self.state, idle, self._idle_chunk(size), cfg=self.cfg,
                                              chunk_len=chunk_len, n_ctx_pages=ctx, decode_width=width)))
             samplers = (True, False) if plain_sampler_pays(self.cfg) else (True,)
+            if self.config.max_drafts and width == self.config.widths()[-1]:  # verify rounds span every slot
+                for full in samplers:
+                    out.append((("verify", self.config.max_drafts, ctx, full), lambda ctx=ctx, full=full:
+                                steps.verify.lower(self.params, self.state, idle, self._no_drafts(), cfg=self.cfg,
+                                                   n_ctx_pages=ctx, full_sampler=full)))
             for full in samplers if n > 1 else ():
                 out.append((("decode", n, ctx, width, full), lambda ctx=ctx, width=width, full=full:
                             steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, n_steps=n,
@@ -460,6 +465,9 @@ class Engine:
             if key[0] == "decode":
                 self.state, _ = compiled(self.params, self.state, idle)
                 continue
+            if key[0] == "verify":
+                self.state, _ = compiled(self.params, self.state, idle, self._no_drafts())
+                continue
             size = key[1] if key[1] in self.config.chunk_buckets else 0
             self.state, _ = compiled(self.params, self.state, idle, self._idle_chunk(size))
             if size:
@@ -468,6 +476,10 @@ class Engine:
                 chunk.seg_slot[0], chunk.seg_len[0] = B, size  # the trash row, after one cached position
                 self.state, _ = compiled(self.params, self.state, idle, chunk)
         jax.block_until_ready(self.state)
+
+    def _no_drafts(self) -> steps.Drafts:
+        B = self.layout.max_slots
+        return steps.Drafts(tokens=np.zeros((B, self.config.max_drafts), np.int32), count=np.zeros((B,), np.int32))
 
     def _idle_chunk(self, size: int) -> steps.ChunkBatch:
         B = self.layout.max_slots

@@ -135,3 +135,25 @@ def test_draft_control_turns_itself_down_and_back_up():
     c.verified(1, 1)
     c.verified(2, 2)
     assert c.wanted() == 3 and (c.proposed, c.accepted) == (9, 3)
+
+
+def test_no_compilation_after_warmup_with_drafts(model):
+    cfg, params = model
+    if cfg.is_hybrid:
+        pytest.skip("the variant keys do not depend on the family; one warm-up keeps the suite's time")
+    config = EngineConfig(max_slots=3, kv_bytes=1 << 20, max_seq_len=96, chunk_buckets=(8, 32), min_ctx_pages=2,
+                          decode_widths=(1,), max_drafts=3, decode_steps_per_call=2, warmup_runs=True)
+    engine = Engine(cfg, params, eos_ids=[0], config=config, draft_source=lambda tokens, k: tokens[-k:])
+    engine.warmup()
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+    try:
+        seqs = [engine.add(p, s) for p, s in zip(PROMPTS, SAMPLERS)]
+        while any(s.finish_reason is None for s in seqs):
+            engine.step()
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert engine.draft_stats.proposed.sum() > 0
+    assert compiles == [], f"{len(compiles)} compilations after warm-up"
