@@ -120,30 +120,6 @@ def test_fused_projection_input_with_rope(dtype, tol):
     assert not np.allclose(np.asarray(ours, np.float32), np.asarray(unrotated, np.float32), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_projection_partials_and_the_fresh_kv_for_the_cache(dtype):
-    """float32 split partials [S, W, H + 2K, Dh] of the projection attend like their sum
-    rounded to the pool's dtype, and `return_kv` hands back that k rotated and that v."""
-    H, K = 6, 2
-    q, k_new, v_new, k_pages, v_pages, pages, cached = _inputs(17, H, K, dtype)
-    rng = np.random.default_rng(18)
-    parts = jnp.asarray(rng.normal(size=(3, len(CACHED), H + 2 * K, DH)), jnp.float32)
-    qkv = parts.sum(axis=0).astype(dtype)
-    inv_freq = 1.0 / (500.0 ** (jnp.arange(DH // 2, dtype=jnp.float32) * 2 / DH))
-    kw = dict(n_heads=H, interpret=True)
-    out, k_cache, v_cache = paged_decode_attention_qkv(
-        parts, cached, inv_freq, k_pages, v_pages, pages, cached, return_kv=True, **kw
-    )
-    summed = paged_decode_attention_qkv(qkv, cached, inv_freq, k_pages, v_pages, pages, cached, **kw)
-    assert out.dtype == k_cache.dtype == v_cache.dtype == dtype
-    # The partials are added in another order than XLA's sum: equal up to that rounding.
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
-    close = lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)  # noqa: E731
-    close(out, summed)
-    close(k_cache, apply_rope(qkv[:, H:H + K], cached, inv_freq))
-    close(v_cache, qkv[:, H + K:])
-
-
 def test_bfloat16_close_to_reference():
     args = _inputs(3, 6, 2, jnp.bfloat16)
     ours = paged_decode_attention(*args, interpret=True, pages_per_block=4, n_splits=2)
