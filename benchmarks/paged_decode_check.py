@@ -215,7 +215,6 @@ def _layer_loop_table(*, interpret: bool, reps: int, small: bool) -> None:
 
         seconds = _median_seconds(lambda: run(q, k_stack, v_stack, small_args), reps)
         print(f"  {name:24s} {seconds / L * 1e3:8.4f}")
-    del k_stack, v_stack
 
 
 def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float, wide: bool = False) -> None:
