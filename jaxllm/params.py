@@ -290,10 +290,8 @@ def unfuse_projections(params: Params) -> Params:
 def layout_params(params: Params, scan_layers: bool, *, fuse: bool = True) -> Params:
     """The runtime tree: layers stacked for `lax.scan` or unrolled, projections fused.
 
-    Fusing measured faster on both machines: on the CPU, single-stream SmolLM2 decode went
-    from ~31 to ~33 tok/s; on an H200 with the 8B shape, the served 2k-prompt TTFT was 74 ms
-    fused vs 84 ms not, and 64-concurrent output 4,544 vs 4,166 tok/s (docs/benchmarks.md,
-    2026-12-03). `fuse=False` keeps one matrix per projection (for A/B runs).
+    Fusing is faster on both CPU and GPU (docs/lab/2026-12.md). `fuse=False` keeps one matrix
+    per projection (for A/B runs).
     """
     params = stack_layers(params) if scan_layers else unstack_layers(params)
     return fuse_projections(params) if fuse else params
