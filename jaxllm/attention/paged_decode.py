@@ -208,7 +208,7 @@ def _merge_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("interpret", "pages_per_block", "n_splits", "num_warps", "num_stages", "grid_order"),
+    jax.jit, static_argnames=("interpret", "_pages_per_block", "_n_splits", "_num_warps", "_num_stages", "_grid_order"),
 )
 def paged_decode_attention(
     q: jax.Array,
@@ -222,11 +222,11 @@ def paged_decode_attention(
     layer: jax.Array | int | None = None,
     window_live: jax.Array | None = None,
     interpret: bool = False,
-    pages_per_block: int | None = None,
-    n_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    grid_order: str = "hsw",
+    _pages_per_block: int | None = None,
+    _n_splits: int | None = None,
+    _num_warps: int = 4,
+    _num_stages: int = 2,
+    _grid_order: str = "hsw",
 ) -> jax.Array:
     """Decode attention of one query per window over its slot's pages plus its fresh key.
 
@@ -243,11 +243,14 @@ def paged_decode_attention(
       window_live: [W] bool/int, windows whose output rows are kept (default: all); the
         others come back as zeros.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
-      pages_per_block: pages per loop step (default: 64 positions, at least 16 rows).
-      n_splits: programs per (window, kv head), rounded up to a power of two (default:
+
+    The underscored knobs are for tests and `benchmarks/paged_decode_check.py`'s sweeps, not
+    part of the API:
+      _pages_per_block: pages per loop step (default: 64 positions, at least 16 rows).
+      _n_splits: programs per (window, kv head), rounded up to a power of two (default:
         enough to fill the GPU).
-      num_warps, num_stages: Triton launch parameters of the main kernel.
-      grid_order: the grid's axes, fastest-varying first (the GPU launches blocks in x order):
+      _num_warps, _num_stages: Triton launch parameters of the main kernel.
+      _grid_order: the grid's axes, fastest-varying first (the GPU launches blocks in x order):
         w = window, h = kv head, s = split. "hsw" runs a window's heads side by side, so
         the pool rows they share (K heads x Dh contiguous) are fetched together.
 
@@ -258,8 +261,8 @@ def paged_decode_attention(
     W, H, Dh = q.shape
     return _paged_decode(
         (q, k_new, v_new), (0, 0, 0), H, k_pages, v_pages, pages, cached_len, layer=layer,
-        window_live=window_live, rope=None, interpret=interpret, pages_per_block=pages_per_block,
-        n_splits=n_splits, num_warps=num_warps, num_stages=num_stages, grid_order=grid_order,
+        window_live=window_live, rope=None, interpret=interpret, pages_per_block=_pages_per_block,
+        n_splits=_n_splits, num_warps=_num_warps, num_stages=_num_stages, grid_order=_grid_order,
     )
 
 

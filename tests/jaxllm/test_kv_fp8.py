@@ -113,7 +113,7 @@ def test_decode_paths_over_an_fp8_cache_match_numpy():
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
 
     kernel = paged_decode_attention(q, k_new, v_new, k_pages, v_pages, jnp.asarray(pages), jnp.asarray(cached),
-                                    interpret=True, pages_per_block=4)
+                                    interpret=True, _pages_per_block=4)
     assert kernel.dtype == jnp.float32
     np.testing.assert_allclose(kernel, want, rtol=1e-5, atol=1e-5)
 
@@ -127,11 +127,11 @@ def test_kernel_over_an_fp8_cache_with_bfloat16_queries():
     q = jnp.asarray(rng.normal(size=(W, H, DH)), jnp.bfloat16)
     k_new, v_new = _fp8(rng, (W, K, DH)), _fp8(rng, (W, K, DH))
     args = (k_new, v_new, k_pages, v_pages, jnp.asarray(pages), jnp.asarray(cached))
-    got = paged_decode_attention(q, *args, interpret=True, pages_per_block=4)
+    got = paged_decode_attention(q, *args, interpret=True, _pages_per_block=4)
     assert got.dtype == jnp.bfloat16
     want = _decode_oracle(_wide(q.astype(jnp.float32)), _wide(k_new), _wide(v_new), k_pages, v_pages, pages, cached)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
-    huge = paged_decode_attention(q * 1e6, *args, interpret=True, pages_per_block=4)
+    huge = paged_decode_attention(q * 1e6, *args, interpret=True, _pages_per_block=4)
     assert np.isfinite(np.asarray(huge, np.float32)).all()
 
 
