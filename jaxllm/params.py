@@ -227,10 +227,6 @@ def check_params(params: Params, cfg: ModelConfig) -> None:
             raise ValueError(f"param {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
 
 
-def cast_params(params: Params, dtype: str) -> Params:
-    return jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
-
-
 def unstack_layers(params: Params) -> Params:
     """Stacked layers -> a tuple of per-layer params (the unrolled layout). Hybrid layers
     always stay stacked (they run scanned in groups of `layer_period`)."""
