@@ -44,16 +44,10 @@ class EngineConfig:
     max_seq_len: int = 2048
     page_size: int = 16
     # Padding to the bucket is compute thrown away (a CPU prefill is compute-bound): each bucket
-    # at most doubles the one below. A 256 bucket took 8 x 256-token prompts + 128 tokens each
-    # from 49 to 66 tok/s end to end on the 2-core CPU (docs/benchmarks.md).
+    # at most doubles the one below (the 256 bucket's gain: docs/lab/2026-12.md).
     chunk_buckets: tuple[int, ...] = (32, 128, 256, 512)
     min_ctx_pages: int = 8
     decode_steps_per_call: int = 4
-    # Decode steps laid out straight per loop iteration of a multi-step call (1 = a loop of
-    # single steps; decode_steps_per_call = no loop). Unrolling compiles longer and measured
-    # slower on an H200 (8B: 5.15 ms/token as a loop, 5.57 two per iteration, 6.91 with no
-    # loop; docs/benchmarks.md), so 1 stays the default; kept for such A/B runs.
-    decode_unroll: int = 1
     # Widths of a round's decode part (slots [0, width) ); rounds use the smallest that
     # covers every decoding slot, so a lone request does not pay for idle slots. Each width
     # multiplies the compiled variants; () means just max_slots.
@@ -81,7 +75,7 @@ class EngineConfig:
     max_drafts: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "page_size", "decode_steps_per_call", "decode_unroll", "chunk_segments"):
+        for name in ("max_slots", "page_size", "decode_steps_per_call", "chunk_segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_drafts <= 16:
@@ -414,8 +408,7 @@ class Engine:
             for full in samplers if n > 1 else ():
                 out.append((("decode", n, ctx, width, full), lambda ctx=ctx, width=width, full=full:
                             steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, n_steps=n,
-                                                     n_ctx_pages=ctx, decode_width=width,
-                                                     unroll=self.config.decode_unroll, full_sampler=full)))
+                                                     n_ctx_pages=ctx, decode_width=width, full_sampler=full)))
         return out
 
     def warmup(self) -> int:
@@ -545,7 +538,7 @@ class Engine:
             else:
                 self.state, out = steps.decode_steps(
                     self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx, decode_width=width,
-                    unroll=self.config.decode_unroll, full_sampler=full,
+                    full_sampler=full,
                 )
             return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 

@@ -155,7 +155,7 @@ def _filter_rows(scaled: jax.Array, s: SlotSampling, filters: jax.Array, branche
     """[B, V] allowed ids: `_filter_mask` on the rows that filter, everything elsewhere (a
     row without filters keeps its whole vocabulary whatever its neighbours ask; through the
     filter with top_p = 1 a peaked row could lose its float32 tail). The filter sorts the
-    vocabulary (~10 ms per row of 49k ids on a CPU core), so with "cond" branches (the CPU)
+    vocabulary (costly on a CPU core), so with "cond" branches (the CPU)
     rows that do not filter skip it, a `lax.cond` per row; "select" (GPU) filters every row
     at once."""
     if branches == "cond":
@@ -206,7 +206,7 @@ def sample(
         and selects (same results; see ModelConfig.sampler_branches).
       full: with False, no row filters (top-k/top-p/min-p) and none wants top logprobs
         (the caller knows; `needs_full_sampler`): those parts, the costly ones (a sort of the
-        vocabulary each, ~1 ms per step for 64 rows of 128k on an H200), are left out and top
+        vocabulary each), are left out and top
         logprobs are zeros. The filter and the top logprobs always run behind `lax.cond`.
     """
     cond = jax.lax.cond if branches == "cond" else _select_cond

@@ -187,7 +187,7 @@ def step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width", "unroll", "full_sampler"),
+    static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width", "full_sampler"),
     donate_argnames=("state",),
 )
 def decode_steps(
@@ -199,15 +199,12 @@ def decode_steps(
     n_steps: int,
     n_ctx_pages: int,
     decode_width: int,
-    unroll: int = 1,
     full_sampler: bool = True,
 ) -> tuple[DecodeState, StepOutput]:
     """`n_steps` decode-only rounds in one call; outputs stacked on a leading [n_steps] axis.
 
     A constrained slot takes only the first step: its next mask needs the host to see the
-    token it just drew. `unroll` steps are laid out straight in each loop iteration
-    (`lax.scan`'s unroll; n_steps = no loop at all): fewer loop iterations, longer compiles.
-    `full_sampler=False` leaves the sampler's filters and top logprobs out (for calls whose
+    token it just drew. `full_sampler=False` leaves the sampler's filters and top logprobs out (for calls whose
     requests need neither, `jaxllm.sampling.needs_full_sampler`): on the GPU such a call has
     no conditional, so the host queues step after step without waiting for the device.
     """
@@ -221,7 +218,7 @@ def decode_steps(
             full_sampler=full_sampler,
         )
 
-    return jax.lax.scan(body, state, jnp.arange(n_steps) == 0, unroll=unroll)
+    return jax.lax.scan(body, state, jnp.arange(n_steps) == 0)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

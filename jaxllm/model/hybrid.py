@@ -17,9 +17,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxllm.config import LINEAR_ATTENTION, ModelConfig
-from jaxllm.model.decode_chain import DecodeLookups
 from jaxllm.model.delta_mixer import Segments, delta_mixer, round_segments
-from jaxllm.model.forward import TokenBatch, _after, write_kv
+from jaxllm.model.forward import DecodeLookups, TokenBatch, _after, write_kv
 from jaxllm.model.gated_attention import gated_attention
 from jaxllm.model.layers import dense_mlp, moe_mlp, rms_norm
 from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params

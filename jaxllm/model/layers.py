@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.model.matvec import matvec
 from jaxllm.model.matvec_cpu import matmul_cpu
 from jaxllm.model.moe_kernels import moe_ffn, moe_kernel
 from jaxllm.params import DenseMlpParams, MoeParams
@@ -71,10 +70,9 @@ class LayerSlice:
 def project(x: jax.Array, w: jax.Array | LayerSlice, n_contract: int = 1, *, kernel: str = "xla") -> jax.Array:
     """x's last `n_contract` axes times w's first ones, e.g. [T, D] x [D, H, Dh] -> [T, H, Dh].
 
-    kernel "xla" is XLA's dot; "pallas" / "interpret" run the Pallas matvec kernel, "cpu" the
-    C++ one, on the free 2-D views of x and w (rounds of a few tokens; see
-    `jaxllm.model.matvec` and `jaxllm.model.matvec_cpu`). A `LayerSlice` w goes to the C++
-    kernel as its whole stack.
+    kernel "xla" is XLA's dot; "cpu" the C++ matmul on the free 2-D views of x and w (rounds of
+    a few tokens; see `jaxllm.model.matvec_cpu`). A `LayerSlice` w goes to the C++ kernel as its
+    whole stack.
     """
     if isinstance(w, LayerSlice) and kernel != "cpu":
         raise ValueError("a LayerSlice weight is for the CPU kernel")
@@ -84,10 +82,9 @@ def project(x: jax.Array, w: jax.Array | LayerSlice, n_contract: int = 1, *, ker
     shape = stack.shape[1:] if layer is not None else stack.shape  # one layer's matrix
     lead, inner = x.shape[: x.ndim - n_contract], math.prod(shape[:n_contract])
     x2 = x.reshape(-1, inner)
-    if kernel == "cpu":
-        out = matmul_cpu(x2, stack.reshape(*stack.shape[: stack.ndim - len(shape)], inner, -1), layer=layer)
-    else:
-        out = matvec(x2, stack.reshape(inner, -1), interpret=kernel == "interpret")
+    if kernel != "cpu":
+        raise ValueError(f"unknown projection kernel {kernel!r}")
+    out = matmul_cpu(x2, stack.reshape(*stack.shape[: stack.ndim - len(shape)], inner, -1), layer=layer)
     return out.reshape(*lead, *shape[n_contract:])
 
 

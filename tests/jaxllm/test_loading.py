@@ -16,7 +16,7 @@ from jaxllm.config import ModelConfig, load_config_json
 from jaxllm.loading import detect_format, load_model
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.gguf import load_gguf_model
-from jaxllm.loading.orbax_io import load_orbax_model, restore_pytree, save_model, save_pytree
+from jaxllm.loading.orbax_io import restore_pytree, save_model, save_pytree
 from jaxllm.loading.safetensors import load_safetensors_model
 from jaxllm.params import Params, canonical_params, layout_params, param_shapes
 

@@ -4,7 +4,6 @@ MoE: `moe_ffn_reference` (float32, full-precision products) and `layers.moe_mlp`
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
