@@ -4,7 +4,8 @@
 weight (so norms are not all ones and biases not all zero, which would hide mapping bugs),
 and saves it in float32 with `save_pretrained`. `hf_to_gguf` writes the same weights the
 way llama.cpp's convert_hf_to_gguf.py does (permuted llama q/k rows, stacked experts,
-`rope_freqs` for Llama-3 RoPE scaling), optionally quantized.
+`rope_freqs` for Llama-3 RoPE scaling; for the hybrid family its Qwen3Next / Qwen3.5
+transforms, see `_hybrid_to_gguf`), optionally quantized.
 """
 
 from __future__ import annotations

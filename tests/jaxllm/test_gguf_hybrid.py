@@ -142,8 +142,9 @@ def test_value_head_untiling_inverts_the_converter() -> None:
 
 
 def _copy_gguf(src: Path, dst: Path, *, fields: dict[str, int] | None = None,
-               extra: dict[str, np.ndarray] | None = None) -> Path:
-    """Rewrites a GGUF with some integer metadata replaced or added and extra F32 tensors."""
+               extra: dict[str, np.ndarray] | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """Rewrites a GGUF with some integer metadata replaced or added, the tensors named in
+    `drop` left out and `extra` F32 tensors added."""
     reader = gguf.GGUFReader(src)
     arch = reader.get_field("general.architecture").contents()
     w = gguf.GGUFWriter(str(dst), arch)
@@ -160,7 +161,8 @@ def _copy_gguf(src: Path, dst: Path, *, fields: dict[str, int] | None = None,
     for key, value in fields.items():
         w.add_uint32(key, value)
     for t in reader.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        if t.name not in drop:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     for name, x in (extra or {}).items():
         w.add_tensor(name, x.astype(np.float32))
     w.write_header_to_file()
@@ -185,6 +187,17 @@ def test_mtp_blocks_are_skipped_with_a_warning(tiny, reference, tmp_path: Path) 
         cfg, params = load_gguf_model(path, progress=False)
     assert cfg.n_layers == n and cfg.mtp_layers == 0
     assert max(_max_leaf_error(params, reference["qwen3_5_text"][1]).values()) < 1e-6
+
+
+def test_fused_gate_up_experts(tiny, reference, tmp_path: Path) -> None:
+    """`--fuse-gate-up-exps` files hold ffn_gate_up_exps [E, 2F, D], the gate rows first."""
+    src = hf_to_gguf(tiny["qwen3_5_moe_text"], tmp_path / "m.gguf")
+    tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(src).tensors}
+    fused = {f"blk.{i}.ffn_gate_up_exps.weight": np.concatenate(
+        [tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]], axis=1) for i in range(4)}
+    drop = tuple(f"blk.{i}.ffn_{p}_exps.weight" for i in range(4) for p in ("gate", "up"))
+    _, params = load_gguf_model(_copy_gguf(src, tmp_path / "fused.gguf", extra=fused, drop=drop), progress=False)
+    assert max(_max_leaf_error(params, reference["qwen3_5_moe_text"][1]).values()) < 1e-6
 
 
 def test_errors(tiny, tmp_path: Path) -> None:
