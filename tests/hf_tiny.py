@@ -319,13 +319,11 @@ def _hybrid_transform(hf: dict[str, Any], arch: str, name: str, x: np.ndarray,
     Hk, Hv = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
     Dk, Dv = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
     if arch != "qwen3next" and Hk != Hv and "linear_attn." in name:
-        tile = lambda t, axis: tile_value_heads(t, axis, Hk, Hv)  # noqa: E731
+        tile = lambda t, axis: tile_value_heads(t, axis, Hk, Hv)
         qk = 2 * Hk * Dk
         if ".in_proj_qkv." in name:
             x = np.concatenate([x[:qk], tile(x[qk:], 0)])
-        elif ".in_proj_z." in name or ".in_proj_b." in name or ".in_proj_a." in name:
-            x = tile(x, 0)
-        elif name.endswith((".A_log", ".dt_bias")):
+        elif any(p in name for p in (".in_proj_z.", ".in_proj_b.", ".in_proj_a.")) or name.endswith((".A_log", ".dt_bias")):
             x = tile(x, 0)
         elif ".conv1d" in name:
             x = x.squeeze()

@@ -9,7 +9,8 @@ Qwen3_5TextModel, Qwen3_5MoeTextModel) does to the Hugging Face tensors, undone 
 - `dt_bias` becomes `ssm_dt.bias`; conv1d [C, 1, K] is squeezed to `ssm_conv1d` [C, K].
 - Qwen3-Next's grouped `in_proj_qkvz` is split into `attn_qkv` (all q heads, all k heads,
   all v heads) and `attn_gate` (z); older files keep it whole as `ssm_in` (llama.cpp still
-  reads both). `in_proj_ba` stays grouped per key head as `ssm_ba`.
+  reads both). `in_proj_ba` stays grouped per key head as `ssm_ba`. Both grouped tensors
+  are split by hf_hybrid's own helpers (the layout is HF's).
 - Qwen3.5 (`qwen35`, `qwen35moe`) keeps q/k/v, z, b, a apart (`attn_qkv`, `attn_gate`,
   `ssm_beta`, `ssm_alpha`) but reorders the value heads from grouped (value head h served by
   key head h // r, HF's order and ours) to tiled (value head h served by key head h % Hk, so
@@ -41,10 +42,8 @@ import numpy as np
 from jaxllm.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jaxllm.loading.assemble import ParamAssembler, heads_in, heads_out, linear
 from jaxllm.loading.gguf import _f32
-# Qwen3-Next's grouped qkvz / ba splits are the same in both formats (HF's layout).
 from jaxllm.loading.hf_hybrid import _split_ba, _split_qkvz, kind_index
 
-HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 # Architectures whose converter tiles the value heads (see the module docstring).
 _TILED_ARCHS = ("qwen35", "qwen35moe")
 _MOE_ARCHS = ("qwen3next", "qwen35moe")
@@ -74,7 +73,7 @@ def hybrid_gguf_config(
 
     Args:
       reader: the open file.
-      arch: one of HYBRID_ARCHS.
+      arch: qwen3next, qwen35 or qwen35moe.
       meta: `meta(key, default=...)` reads `{arch}.{key}`, raising ValueError when a
         required key is missing.
       dtype: dtype of the params and of `cfg.dtype`.

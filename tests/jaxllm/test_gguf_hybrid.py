@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from hf_tiny import HYBRID_FAMILIES, hf_to_gguf, make_tiny_hf_model, tile_value_heads
+
 from jaxllm.api import prompt_logits
 from jaxllm.loading.gguf import load_gguf_model
 from jaxllm.loading.gguf_hybrid import untile_value_heads
