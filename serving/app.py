@@ -233,8 +233,10 @@ async def _collect(output: Output, fmt: Formatter, frames: list, headers: dict) 
 @api.get("/v1/models")
 async def models(request: Request) -> Any:
     srv = _server(request)
+    drafts = srv.engine.config.max_drafts if srv.engine is not None else 0
     data = [{"id": srv.model_name, "object": "model", "created": 0, "owned_by": "jaxllm",
-             "max_model_len": srv.engine.max_context if srv.engine is not None else None}]
+             "max_model_len": srv.engine.max_context if srv.engine is not None else None,
+             "speculative": {"draft_source": "prompt_lookup" if drafts else None, "max_drafts": drafts}}]
     return response.json({"object": "list", "data": data})
 
 

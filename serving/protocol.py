@@ -198,6 +198,9 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise bad("'stop_token_ids' must be token ids", "stop_token_ids")
     top_k = _get(body, "top_k", int, d.top_k)
+    drafts = _get(body, "drafts", int, None)
+    if drafts is not None and not 0 <= drafts <= settings.engine.max_drafts:
+        raise bad(f"'drafts' must be in [0, {settings.engine.max_drafts}] (the server's max_drafts)", "drafts")
     p = SamplingParams(
         temperature=_number(body, "temperature", d.temperature),
         top_k=0 if top_k == -1 else top_k,
@@ -214,6 +217,7 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
         seed=seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        drafts=drafts,
     )
     try:
         p.validate(vocab)

@@ -600,6 +600,13 @@ class Scheduler:
         usage = {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
                  "total_tokens": len(p.prompt) + completion,
                  "prompt_tokens_details": {"cached_tokens": a.cached_tokens}}
+        drafting = [c.seq.drafting for c in a.choices if c.seq is not None and getattr(c.seq, "drafting", None)]
+        if drafting:  # OpenAI's names for verified drafts (predicted outputs)
+            proposed, accepted = sum(d.proposed for d in drafting), sum(d.accepted for d in drafting)
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                  "rejected_prediction_tokens": proposed - accepted}
+            if proposed:
+                log.info("serve %s: drafts %d, accepted %d (%.0f%%)", a.job.id, proposed, accepted, 100 * accepted / proposed)
         if a.job.session_id is not None:
             c = a.choices[0]
             reply: dict[str, Any] = {"role": "assistant", "content": c.content or (None if c.tool_calls else "")}
@@ -671,6 +678,10 @@ class Scheduler:
         m.prefix_cache_entries.set(cs["entries"])
         m.sessions.set(sess["active"])
         m.prefill_chunk.set(self.pacer.last)
+        stats = getattr(self.engine, "draft_stats", None)
+        for j, rate in enumerate(stats.acceptance() if stats is not None else []):
+            if rate is not None:
+                m.draft_acceptance.labels(position=str(j + 1)).set(rate)
         m.state = {
             "ready": self.ready,
             "dead": None if self.dead is None else str(self.dead),
@@ -700,8 +711,17 @@ class Scheduler:
             "prefix_cache": cs,
             "sessions": sess,
             "compilations": self.compiles.count,
+            "speculative": _draft_state(getattr(self.engine, "draft_stats", None)),
             "expert_activity": expert_activity(getattr(self.engine, "expert_tokens", None)),
         }
+
+
+def _draft_state(stats: Any) -> dict[str, Any] | None:
+    """Drafts verified and accepted at each draft position since start (None: drafting off)."""
+    if stats is None or not stats.max_drafts:
+        return None
+    return {"proposed": stats.proposed.tolist(), "accepted": stats.accepted.tolist(),
+            "acceptance_by_position": stats.acceptance()}
 
 
 def _rate(tokens: int, seconds: float) -> str:

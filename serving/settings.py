@@ -59,6 +59,9 @@ class EngineShape:
     decode_widths: tuple[int, ...] = _ENGINE.decode_widths
     chunk_segments: int = _ENGINE.chunk_segments
     chunk_decode_width: int = _ENGINE.chunk_decode_width
+    # Speculative decoding: prompt-lookup drafts verified per sequence and round (0 = off);
+    # a request's `drafts` may ask for fewer.
+    max_drafts: int = _ENGINE.max_drafts
 
     def __post_init__(self) -> None:
         self.engine_config()  # a bad shape fails when the settings are read, with the runtime's message
@@ -70,6 +73,7 @@ class EngineShape:
             page_size=self.page_size, chunk_buckets=tuple(self.chunk_buckets), min_ctx_pages=self.min_ctx_pages,
             decode_steps_per_call=self.decode_steps_per_call, decode_widths=tuple(self.decode_widths),
             chunk_segments=self.chunk_segments, chunk_decode_width=self.chunk_decode_width,
+            max_drafts=self.max_drafts,
         )
 
 

@@ -1,6 +1,6 @@
 """`jaxllm serve --model DIR` on a tiny hybrid (Gated DeltaNet + gated attention MoE)
 checkpoint, through the official openai client: streaming, cached tokens on a repeat,
-cancellation freeing the slot's recurrent state."""
+cancellation freeing the slot's recurrent state, speculative drafts that leave the text as it is."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ kv_mib = 4
 max_seq_len = 256
 chunk_buckets = [16, 64]
 decode_steps_per_call = 2
+max_drafts = 3
 """
 
 
@@ -111,3 +112,19 @@ def test_cancel_frees_the_recurrent_state(client, server):
     # The server goes on serving afterwards.
     ok = client.completions.create(model="m", prompt="Hello", max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens == 3
+
+
+def test_drafts_leave_the_text_unchanged(client, server):
+    prompt = "one two three four one two three four one two three four one two"
+    common = dict(model="m", prompt=prompt, max_tokens=32, temperature=0.7, seed=11)
+    plain = client.completions.create(**common, extra_body={"drafts": 0, "ignore_eos": True})
+    drafted = client.completions.create(**common, extra_body={"drafts": 3, "ignore_eos": True})
+    assert drafted.choices[0].text == plain.choices[0].text
+    details = drafted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 0 and details.rejected_prediction_tokens >= 0
+    state = _state(server)["speculative"]
+    assert len(state["proposed"]) == 3
+    models = client.models.list().data[0].model_extra
+    assert models["speculative"] == {"draft_source": "prompt_lookup", "max_drafts": 3}
+    with pytest.raises(openai.BadRequestError, match="drafts"):
+        client.completions.create(model="m", prompt="x", max_tokens=2, extra_body={"drafts": 9})
