@@ -113,6 +113,7 @@ class Sequence:
     stops: list[int] = dataclasses.field(default_factory=list)
     drafting: DraftControl | None = None  # None: this sequence does not draft
     verifying: int = 0  # tokens an in-flight verification round may emit (collect settles it)
+    mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the head's drafts for the next round
 
     @property
     def position_bound(self) -> int:
@@ -232,6 +233,8 @@ class Engine:
         self.expert_tokens = np.zeros((cfg.n_layers, cfg.n_experts if cfg.is_moe else 0), np.int64)
         self._seed_counter = itertools.count(1)
         self.draft_stats = DraftStats(config.max_drafts)
+        # With an MTP head every verification round also drafts the next one (on device).
+        self.mtp_drafts = bool(config.max_drafts and cfg.mtp_layers and params.mtp is not None)
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
         self._compiled: dict[tuple, Callable[..., Any]] = {}
@@ -572,8 +575,11 @@ class Engine:
                 continue
             # Never past max_tokens (nor so past the reserved pages).
             k = min(s.drafting.wanted(), s.params.max_tokens - len(s.generated) - 1)
-            proposal = list(self.draft_source(s.prompt + s.generated, k))[:k] if k > 0 else []
-            if proposal:
+            if k <= 0:
+                continue
+            source = s.mtp_drafts if self.mtp_drafts else self.draft_source(s.prompt + s.generated, k)
+            proposal = list(source)[:k]
+            if proposal or self.mtp_drafts:  # an MTP model verifies with no drafts to get the head's first ones
                 out[s.slot] = proposal
         return out
 
@@ -682,6 +688,7 @@ class Engine:
     def collect(self, handle: Round) -> list[TokenEvent]:
         """Reads a launched round (one device_get) and appends its tokens to the sequences."""
         out = jax.device_get(handle.output)
+        next_drafts, out = out.next_drafts, out.replace(next_drafts=None)
         experts = out.expert_tokens
         self.expert_tokens += experts.sum(axis=0) if handle.multi else experts
         steps_out = (
@@ -710,6 +717,8 @@ class Engine:
                 seq.top_logprobs.extend(tops)
                 events.append(TokenEvent(seq.id, new, lps, tops, seq.finish_reason))
             self._settle_drafts(seq, handle, len(new))
+            if next_drafts is not None and seq.slot in handle.drafts:
+                seq.mtp_drafts = [int(t) for t in next_drafts[slot]]
         return events
 
     def _settle_drafts(self, seq: Sequence, handle: Round, n_new: int) -> None:

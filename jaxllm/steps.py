@@ -22,6 +22,7 @@ from jaxllm.attention.reference import Windows
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import TokenBatch, forward, lm_head
 from jaxllm.model.hybrid import hybrid_forward
+from jaxllm.model.mtp import mtp_draft
 from jaxllm.model.kernel_choice import matmul_kernel, sampler_branches
 from jaxllm.params import Params
 from jaxllm.sampling import sample
@@ -70,6 +71,8 @@ class StepOutput:
     sampled: jax.Array  # [B] bool
     done: jax.Array  # [B] bool after this round
     expert_tokens: jax.Array  # [L, E] tokens routed to each expert ([L, 0] for dense models)
+    # Verification rounds of models with an MTP head: each slot's drafts for its next round.
+    next_drafts: jax.Array | None = None  # [B, K] i32
 
 
 def empty_chunk(B: int) -> ChunkBatch:
@@ -407,6 +410,14 @@ def _verify_round(
         seen=seen,
         out_counts=out_counts,
     )
+    next_drafts = None
+    if params.mtp is not None and cfg.mtp_layers:
+        # The head drafts what follows the token just sampled, from the hidden state that
+        # sampled it (the accepted position's), for the slot's next verification round.
+        h_last = hidden.reshape(B, Tw, -1)[rows, last]
+        # One slot after another: the head's routed experts (ragged_dot) do not batch under vmap.
+        next_drafts = jax.lax.map(lambda a: mtp_draft(params, cfg, a[0], a[1], a[2], K)[0],
+                                  (h_last, new_last, state.lengths + last))
     steps_axis = jnp.arange(Tw)[:, None]
     out = StepOutput(
         tokens=tokens.T,
@@ -416,6 +427,7 @@ def _verify_round(
         sampled=sampled.T,
         done=(steps_axis == last[None, :]) & done[None, :] & sampled.T,
         expert_tokens=jnp.zeros((Tw, *experts.shape), experts.dtype).at[0].set(experts),
+        next_drafts=next_drafts,
     )
     return new_state, out
 

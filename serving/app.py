@@ -230,13 +230,19 @@ async def _collect(output: Output, fmt: Formatter, frames: list, headers: dict) 
         frames = await output.next_frames()
 
 
+def _draft_source(engine: Any) -> str | None:
+    if engine is None or not engine.config.max_drafts:
+        return None
+    return "mtp" if engine.mtp_drafts else "prompt_lookup"
+
+
 @api.get("/v1/models")
 async def models(request: Request) -> Any:
     srv = _server(request)
     drafts = srv.engine.config.max_drafts if srv.engine is not None else 0
     data = [{"id": srv.model_name, "object": "model", "created": 0, "owned_by": "jaxllm",
              "max_model_len": srv.engine.max_context if srv.engine is not None else None,
-             "speculative": {"draft_source": "prompt_lookup" if drafts else None, "max_drafts": drafts}}]
+             "speculative": {"draft_source": _draft_source(srv.engine), "max_drafts": drafts}}]
     return response.json({"object": "list", "data": data})
 
 

@@ -157,3 +157,16 @@ def test_no_compilation_after_warmup_with_drafts(model):
         jax.monitoring.clear_event_listeners()
     assert engine.draft_stats.proposed.sum() > 0
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
+
+
+def test_mtp_head_drafts_on_device_without_changing_tokens():
+    cfg = HYBRID.replace(mtp_layers=1)
+    params = dummy_params(cfg, seed=2)
+    params = params.replace(layers=jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, params.layers))
+    model = (cfg, params)
+    for sampling in SAMPLERS[:2]:
+        plain, _, _ = run(model, PROMPTS, sampling)
+        drafted, _, engine = run(model, PROMPTS, sampling, max_drafts=2)
+        assert engine.mtp_drafts
+        assert [s.generated for s in drafted] == [s.generated for s in plain]
+        assert engine.draft_stats.proposed[0] > 0  # the head drafted from the second round on
