@@ -41,8 +41,13 @@ import numpy as np
 
 from jaxllm.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jaxllm.loading.assemble import ParamAssembler, heads_in, heads_out, linear
-from jaxllm.loading.gguf import _f32
 from jaxllm.loading.hf_hybrid import _split_ba, _split_qkvz, kind_index
+
+
+def _f32(v: Any) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (as `gguf._f32`; kept
+    here so the hybrid mapping does not import its caller back)."""
+    return float(np.format_float_positional(np.float32(v), unique=True, trim="-"))
 
 # Architectures whose converter tiles the value heads (see the module docstring).
 _TILED_ARCHS = ("qwen35", "qwen35moe")
