@@ -208,7 +208,7 @@ class Scheduler:
         self.reserved = 0
         self.totals = dict(queued=0, admitted=0, finished=0, failed=0, rejected=0, cancelled=0, cancelled_queued=0,
                            prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0,
-                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0)
+                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0, host_errors=0)
         self.ready = False
         self.dead: BaseException | None = None
         self._stop = threading.Event()
@@ -473,10 +473,16 @@ class Scheduler:
             a, c = entry
             if a.failed or a not in self.active or c.finished:  # c.finished: tokens past a stop string
                 continue
-            self._on_tokens(a, c, ev)
+            try:
+                self._on_tokens(a, c, ev)
+            except Exception as e:  # noqa: BLE001 - host code of one request fails that request alone
+                self._host_failed(a, e)
         for a in list(self.active):
             if not a.failed and all(c.finished for c in a.choices):
-                self._complete(a)
+                try:
+                    self._complete(a)
+                except Exception as e:  # noqa: BLE001 - e.g. sessions or usage: this request alone
+                    self._host_failed(a, e)
 
     def _checkpoint(self, seq: Any, length: int) -> None:
         if self.cache.contains(seq.prompt[:length], self.cache_options):
@@ -601,6 +607,16 @@ class Scheduler:
         self._release(a)
         self.totals["finished"] += 1
         self.metrics.count_outcome("finished")
+
+    def _host_failed(self, a: Active, e: Exception) -> None:
+        """A request's host code (text, tool calls, finish, usage, sessions) raised: the
+        request gets a 500 and its resources back; the worker and every other request go on."""
+        self.totals["host_errors"] += 1
+        log.error("serve %s: request failed in host code: %s\n%s", a.job.id, e, traceback.format_exc())
+        if not a.failed:
+            self._fail(a, f"internal error while processing the request ({type(e).__name__}: {e})"[:1000], 500)
+        elif a in self.active:
+            self._release(a)
 
     def _fail(self, a: Active, message: str, status: int = 500) -> None:
         a.failed = True

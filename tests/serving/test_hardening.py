@@ -1,0 +1,93 @@
+"""Server hardening (issue 20): one bad request never hurts another, the process or the host.
+
+The real server on 127.0.0.1 (tiny random llama, SmolLM2 tokenizer) with the openai client
+and plain HTTP; each test ends by checking the server still serves.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+import requests
+from tests.serving.launch import running_server
+
+KEY = "test-key"
+CONFIG = """
+[limits]
+active_requests = 8
+active_state_mib = 64
+request_bytes = 65536
+max_output_tokens = 256
+[engine]
+max_slots = 4
+kv_mib = 8
+max_seq_len = 512
+chunk_buckets = [32, 128]
+"""
+MSGS = [{"role": "user", "content": "Where do I live?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hardening")
+    with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp, CONFIG, health_timeout=240) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+class Http:
+    """requests with a base URL and the API key."""
+
+    def __init__(self, base: str, key: str | None = KEY):
+        self.base = base
+        self.s = requests.Session()
+        if key is not None:
+            self.s.headers["authorization"] = f"Bearer {key}"
+
+    def get(self, path, **kw):
+        return self.s.get(self.base + path, timeout=60, **kw)
+
+    def post(self, path, **kw):
+        return self.s.post(self.base + path, timeout=60, **kw)
+
+
+@pytest.fixture
+def http(server):
+    return Http(server["base"])
+
+
+def still_serves(server, client) -> None:
+    """The process is alive, healthy and answers a normal request."""
+    assert server["proc"].poll() is None, server["log"].read_text()[-3000:]
+    assert requests.get(server["base"] + "/health", timeout=10).status_code == 200
+    ok = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def tool(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "locate", "description": "Where someone lives",
+                                              "parameters": parameters}}]
+
+
+FORCED = {"type": "function", "function": {"name": "locate"}}
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+# A pointer that exists only in the server's wrapper object around the arguments, not in the schema.
+WRAPPER_REF = {"$defs": {"Address": ADDRESS}, "type": "object",
+               "properties": {"home": {"$ref": "#/properties/arguments/$defs/Address"}}, "required": ["home"],
+               "additionalProperties": False}
+
+
+def test_a_request_failing_in_host_code_fails_alone(server, client, http):
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "tools": tool(WRAPPER_REF),
+                                                "tool_choice": FORCED, "max_tokens": 64, "temperature": 0})
+    assert r.status_code in (400, 500), r.text
+    assert r.json()["error"]["message"]
+    still_serves(server, client)
