@@ -17,7 +17,7 @@ from jaxllm.chat_template import ChatTemplateError, tokenize_chat
 from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxllm.tokenizer import Tokenizer
 from serving.settings import Settings
-from serving.structured import StructuredOutputError, build_constraints
+from serving.structured import StructuredOutputError, build_constraints, check_json_schema
 from serving.tool_calls import (
     DEFAULT_TOOL_SYSTEM_PROMPT,
     ToolContract,
@@ -256,6 +256,12 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     if tools is not None:
         if not all(isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and "name" in t["function"] for t in tools):
             raise bad("each tool needs function.name", "tools")
+        for t in tools:
+            try:  # the same schema drives the grammar and the argument check: both must read it alike
+                if t["function"].get("parameters") is not None:
+                    check_json_schema(t["function"]["parameters"], "tools")
+            except StructuredOutputError as e:
+                raise bad(f"tool {t['function']['name']!r}: {e}", "tools") from None
     if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
         raise bad("'tool_choice' must be auto, none, required or a named function", "tool_choice")
     if isinstance(tool_choice, Mapping):

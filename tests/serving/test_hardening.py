@@ -91,3 +91,35 @@ def test_a_request_failing_in_host_code_fails_alone(server, client, http):
     assert r.status_code in (400, 500), r.text
     assert r.json()["error"]["message"]
     still_serves(server, client)
+
+
+# pydantic's shape for a model with a nested model: the nested one in $defs, referenced from the root.
+PYDANTIC = {"$defs": {"Address": ADDRESS}, "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 12}, "home": {"$ref": "#/$defs/Address"}},
+            "required": ["name", "home"], "additionalProperties": False, "title": "Person"}
+RECURSIVE = {"$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}, "required": ["next"]}},
+             "$ref": "#/$defs/Node"}
+
+
+def test_refs_and_defs_work_for_forced_tools_and_response_format(server, client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=tool(PYDANTIC), tool_choice=FORCED,
+                                       max_tokens=120, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), PYDANTIC)
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=120, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PYDANTIC}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PYDANTIC)
+    still_serves(server, client)
+
+
+@pytest.mark.parametrize("schema", [RECURSIVE, {"type": "object", "properties": {"me": {"$ref": "#"}}},
+                                    WRAPPER_REF, {"properties": {"a": {"$ref": "https://example.com/a.json"}}}])
+def test_schemas_the_server_cannot_enforce_are_400_naming_the_field(server, client, http, schema):
+    for body, param in [({"tools": tool(schema), "tool_choice": FORCED}, "tools"), ({"tools": tool(schema)}, "tools"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                         "response_format")]:
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error" and "$ref" in err["message"]
+    still_serves(server, client)
