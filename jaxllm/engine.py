@@ -238,17 +238,28 @@ class Engine:
             )
         if not self.can_admit(total):
             raise EngineFull(f"no room for {total} positions now")
-        slot = self.free_slots.pop(0)
-        pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
+        if checkpoint is not None and not 0 < cached_tokens < len(prompt):
+            raise ValueError("cached_tokens must be in (0, len(prompt))")
+        # Everything that can fail on the host runs before the slot and pages are taken:
+        # a sequence that fails here must not hold them for good.
         seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
         row = sampling_row(params, self.cfg.vocab_size, self.eos_ids, seed)
-        self.state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
+        slot = self.free_slots.pop(0)
+        pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
+        state = self.state
+        try:
+            state = steps.set_slot(state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
+            if checkpoint is not None:
+                state = steps.insert(state, np.int32(slot), checkpoint)
+        except BaseException:
+            self.free_pages.extend(reversed(pages))
+            self.free_slots.append(slot)
+            self.free_slots.sort()
+            raise
+        self.state = state
         seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
                        constraint=constraint)
         if checkpoint is not None:
-            if not 0 < cached_tokens < len(prompt):
-                raise ValueError("cached_tokens must be in (0, len(prompt))")
-            self.state = steps.insert(self.state, np.int32(slot), checkpoint)
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
         return seq

@@ -240,6 +240,8 @@ async def models(request: Request) -> Any:
 @api.get("/health")
 async def health(request: Request) -> Any:
     srv = _server(request)
+    if srv.ready and srv.scheduler.stuck:
+        return response.json({"status": "stuck", "reason": srv.scheduler.stuck}, status=503)
     if srv.ready:
         return response.json({"status": "ok"})
     dead = srv.load_error or (srv.scheduler.dead if srv.scheduler else None)

@@ -211,6 +211,7 @@ class Scheduler:
                            decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0, host_errors=0)
         self.ready = False
         self.dead: BaseException | None = None
+        self.stuck: str | None = None  # why nothing can be admitted any more (/health turns 503)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
@@ -654,8 +655,25 @@ class Scheduler:
         self.cache.expire()
         self.sessions.expire()
 
+    def _stuck_reason(self) -> str | None:
+        """Slots or pages held while no request runs: they leaked, and what leaked never comes back."""
+        if self.active or self._in_flight is not None:
+            return None
+        layout = self.engine.layout
+        held_slots = layout.max_slots - len(self.engine.free_slots)
+        held_pages = layout.n_pages - 1 - len(self.engine.free_pages)
+        if held_slots or held_pages or self.engine.seqs:
+            return (f"{held_slots} of {layout.max_slots} sequence slots and {held_pages} KV pages are held by "
+                    "no request")
+        return None
+
     def publish(self) -> None:
         """Swaps in a fresh host snapshot for /v1/state and the gauges."""
+        stuck = self._stuck_reason()
+        if stuck != self.stuck:
+            if stuck:
+                log.critical("the worker can no longer admit everything: %s", stuck)
+            self.stuck = stuck
         layout = self.engine.layout
         live = {id(s) for s in self.engine.seqs.values()}
         reserved_pages = sum(len(c.seq.pages) for a in self.active for c in a.choices if id(c.seq) in live)
@@ -674,6 +692,7 @@ class Scheduler:
         m.state = {
             "ready": self.ready,
             "dead": None if self.dead is None else str(self.dead),
+            "stuck": self.stuck,
             "settings_generation": self.settings.current.generation,
             "queued_requests": len(self.pending) + self.inbox.qsize(),
             "active_requests": len(self.active),

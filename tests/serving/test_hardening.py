@@ -55,7 +55,7 @@ class Http:
         return self.s.get(self.base + path, timeout=60, **kw)
 
     def post(self, path, **kw):
-        return self.s.post(self.base + path, timeout=60, **kw)
+        return self.s.post(self.base + path, **{"timeout": 60, **kw})
 
 
 @pytest.fixture
@@ -122,4 +122,16 @@ def test_schemas_the_server_cannot_enforce_are_400_naming_the_field(server, clie
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error" and "$ref" in err["message"]
+    still_serves(server, client)
+
+
+def test_a_sequence_failing_in_admission_gives_back_its_slot_and_pages(server, client, http):
+    # top_k beyond int32 fails after the engine took a slot; max_slots + 1 of them used to
+    # leave every later request queued for good while /health said ok.
+    for _ in range(5):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "top_k": 2**40},
+                      timeout=20)
+        assert r.status_code in (200, 400, 500), r.text
+    state = http.get("/v1/state").json()
+    assert state["free_slots"] == 4 and state["pages_in_use"] == 0 and state["stuck"] is None
     still_serves(server, client)
