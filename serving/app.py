@@ -27,6 +27,7 @@ from serving.output import Done, Error, Finish, Formatter, Output, sse
 from serving.protocol import ApiError, Prepared, parse_chat, parse_completion
 from serving.scheduler import Job, Scheduler, reservation_bytes, warmup_engine
 from serving.sessions import SessionStore
+from serving.validation import check_tokenize, parse_json
 from serving.settings import SettingsStore
 
 log = logging.getLogger("jaxllm.serve")
@@ -110,15 +111,22 @@ def _check_ready(srv: Server) -> None:
 
 def _check_model(srv: Server, body: Any) -> None:
     name = body.get("model") if isinstance(body, dict) else None
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, "'model' must be a string", param="model")
     if name is not None and name != srv.model_name:
         raise ApiError(404, f"the model '{name}' does not exist", code="model_not_found", param="model")
 
 
 def _json_body(request: Request) -> Any:
-    try:
-        return request.json
-    except Exception:  # noqa: BLE001
-        raise ApiError(400, "the body is not valid JSON") from None
+    """The body as strict JSON (no NaN / Infinity); 400 when it is not."""
+    return parse_json(request.body)
+
+
+def _json_object(request: Request) -> dict[str, Any]:
+    body = _json_body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
 
 
 api = Blueprint("openai")
@@ -137,9 +145,7 @@ async def completions(request: Request) -> Any:
 async def _generate(request: Request, kind: str) -> Any:
     srv = _server(request)
     _check_ready(srv)
-    body = _json_body(request)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+    body = _json_object(request)
     _check_model(srv, body)
     settings = srv.settings.current
     engine, tok, cfg = srv.engine, srv.model.tokenizer, srv.model.cfg
@@ -169,16 +175,19 @@ async def _generate(request: Request, kind: str) -> Any:
     reservation = reservation_bytes(prepared, srv.scheduler.bytes_per_page, pages, cfg.vocab_size, settings,
                                     len(request.body or b""))
     never = None
+    param = "n"
     if prepared.n > engine.layout.max_slots:
         never = f"n={prepared.n} is more than the {engine.layout.max_slots} sequence slots"
     elif pages * prepared.n > engine.layout.n_pages - 1:
         never = "the request needs more KV pages than the pool holds"
+        param = "max_tokens"
     elif reservation > settings.budget_bytes:
         never = "the request exceeds active_state_mib; reduce max_tokens or n, or raise the state budget"
+        param = "max_tokens"
     if never:
         srv.scheduler.totals["rejected"] += 1
         srv.metrics.count_outcome("rejected")
-        raise ApiError(503, never, code="never_fits", headers={"x-should-retry": "false"})
+        raise ApiError(503, never, code="never_fits", param=param, headers={"x-should-retry": "false"})
     output = Output(loop)
     job = Job(id=srv.next_id(kind), prepared=prepared, settings=settings, output=output, reservation=reservation,
               pages=pages, arrived=srv.scheduler.clock(), session_id=session_id,
@@ -252,7 +261,8 @@ async def health(request: Request) -> Any:
 async def tokenize(request: Request) -> Any:
     srv = _server(request)
     _check_ready(srv)
-    body = _json_body(request)
+    body = _json_object(request)
+    check_tokenize(body)
     _check_model(srv, body)
     tok = srv.model.tokenizer
     if "messages" in body:
@@ -276,10 +286,11 @@ async def tokenize(request: Request) -> Any:
 async def detokenize(request: Request) -> Any:
     srv = _server(request)
     _check_ready(srv)
-    body = _json_body(request)
+    body = _json_object(request)
     _check_model(srv, body)
     ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < srv.model.cfg.vocab_size for t in ids):
+    vocab = srv.model.cfg.vocab_size
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
         raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
     return response.json({"prompt": srv.model.tokenizer.decode(ids, skip_special_tokens=False)})
 
@@ -410,6 +421,13 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     async def sanic_error(request: Request, e: SanicException) -> Any:
         status = getattr(e, "status_code", 500) or 500
         return error_response(ApiError(status, str(e)))
+
+    @app.exception(Exception)
+    async def unexpected(request: Request, e: Exception) -> Any:
+        # A bug, not the client's fault; still the OpenAI error shape, and the trace in the log.
+        log.error("%s %s: unexpected %s: %s", request.method, request.path, type(e).__name__, e, exc_info=e)
+        srv.metrics.count_http_error(500)
+        return error_response(ApiError(500, f"internal error ({type(e).__name__})"))
 
     @app.after_server_start
     async def start(app: Sanic) -> None:

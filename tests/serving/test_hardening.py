@@ -135,3 +135,54 @@ def test_a_sequence_failing_in_admission_gives_back_its_slot_and_pages(server, c
     state = http.get("/v1/state").json()
     assert state["free_slots"] == 4 and state["pages_in_use"] == 0 and state["stuck"] is None
     still_serves(server, client)
+
+
+def _chat(**fields) -> str:
+    return json.dumps({"model": "tiny", "messages": MSGS, "max_tokens": 2, **fields})
+
+
+BIG = "1" + "0" * 400  # an integer past float range
+MALFORMED = [  # (path, raw JSON body, the param the 400 names)
+    ("/v1/chat/completions", '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages[0].content"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\udc00", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "stop": ["\\ud800"], "max_tokens": 2}', "stop[0]"),
+    ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": %s}' % BIG, "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "logit_bias": {"5": %s}}' % BIG, "logit_bias"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "top_k": %s}' % BIG, "top_k"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": Infinity}', "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "top_p": NaN}', "top_p"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "presence_penalty": 1e400}', "presence_penalty"),
+    ("/v1/chat/completions", _chat(messages=MSGS + [{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
+     "messages[1].tool_calls[0].function"),
+    ("/v1/chat/completions", _chat(messages=MSGS + [{"role": "assistant", "tool_calls": "call"}]), "messages[1].tool_calls"),
+    ("/v1/chat/completions", _chat(messages=MSGS + [{"role": "assistant", "tool_calls": [7]}]), "messages[1].tool_calls[0]"),
+    ("/v1/chat/completions", _chat(tools=[{"function": {"name": ["a"]}}]), "tools[0].function.name"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "a", "description": 5}}]),
+     "tools[0].function.description"),
+    ("/v1/chat/completions", _chat(tools=[{"function": {"name": "a"}}], tool_choice={"function": "a"}), "tool_choice.function"),
+    ("/v1/chat/completions", _chat(tools=[{"function": {"name": "a"}}], tool_choice=5), "tool_choice"),
+    ("/tokenize", "[1, 2]", None),
+    ("/tokenize", '"text"', None),
+    ("/detokenize", "[1, 2]", None),
+    ("/detokenize", '{"tokens": [true]}', "tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": -1}', "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "min_tokens": 5}', "min_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "stop_token_ids": [99999999]}', "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", MALFORMED)
+def test_malformed_input_is_a_400_naming_the_field(http, path, raw, param):
+    r = http.post(path, data=raw.encode("utf-8", "surrogatepass"), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
+                                 "param": param, "code": None}
+    assert r.json()["error"]["message"]
+
+
+def test_n_that_can_never_be_admitted_names_n(server, client, http):
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2, "n": 5})
+    assert r.status_code == 503 and r.headers["x-should-retry"] == "false" and r.json()["error"]["param"] == "n"
+    still_serves(server, client)
