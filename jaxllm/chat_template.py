@@ -174,7 +174,8 @@ def render_chat(
         as `enable_thinking`.
 
     Returns:
-      The text and the character offset where each message ends.
+      The text and the character offset where each message ends (at most
+      MAX_PREFIX_RENDERS of them: the first and last messages of a long conversation).
 
     Raises:
       ChatTemplateError: the template called `raise_exception` or failed to render.
@@ -183,9 +184,10 @@ def render_chat(
     msgs = _normalize(messages)
     text = _render_text(compiled, msgs, tools, add_generation_prompt, special)
     ends: list[int] = []
-    # Render each prefix of the conversation (no generation prompt) and keep its length
-    # when it is a string prefix of the full render: that is where the message ends.
-    for i in range(1, len(msgs) + 1):
+    # Render some prefixes of the conversation (no generation prompt) and keep each length
+    # that is a string prefix of the full render: that is where the message ends. Only
+    # MAX_PREFIX_RENDERS of them: every prefix would cost the square of the conversation.
+    for i in _prefixes_to_render(len(msgs)):
         try:
             partial = _render_text(compiled, msgs[:i], tools, False, special)
         except ChatTemplateError:
@@ -194,6 +196,19 @@ def render_chat(
         if text.startswith(partial) and (not ends or end > ends[-1]):
             ends.append(end)
     return RenderedChat(text=text, message_ends=ends)
+
+
+# Prefix renders per conversation: the first few messages (a shared system prompt) and the
+# last few (the previous turns of this conversation) are where prefix-cache hits come from.
+MAX_PREFIX_RENDERS = 8
+
+
+def _prefixes_to_render(n: int) -> list[int]:
+    """Prefix lengths (in messages) whose ends `render_chat` finds, ascending."""
+    if n <= MAX_PREFIX_RENDERS:
+        return list(range(1, n + 1))
+    head = MAX_PREFIX_RENDERS // 2
+    return list(range(1, head + 1)) + list(range(n - (MAX_PREFIX_RENDERS - head) + 1, n + 1))
 
 
 def _char_to_token_boundary(offsets: Sequence[tuple[int, int]], char: int) -> int | None:

@@ -27,7 +27,7 @@ from serving.output import Done, Error, Finish, Formatter, Output, sse
 from serving.protocol import ApiError, Prepared, parse_chat, parse_completion
 from serving.scheduler import Job, Scheduler, reservation_bytes, warmup_engine
 from serving.sessions import SessionStore
-from serving.validation import check_tokenize, parse_json
+from serving.validation import check_sizes, check_tokenize, parse_json
 from serving.settings import SettingsStore
 
 log = logging.getLogger("jaxllm.serve")
@@ -262,24 +262,33 @@ async def tokenize(request: Request) -> Any:
     srv = _server(request)
     _check_ready(srv)
     body = _json_object(request)
-    check_tokenize(body)
     _check_model(srv, body)
+    # Rendering and tokenizing are request work: off the event loop, which serves everyone.
+    return response.json(await asyncio.get_running_loop().run_in_executor(None, _tokenize, srv, body))
+
+
+def _tokenize(srv: Server, body: dict[str, Any]) -> dict[str, Any]:
+    check_tokenize(body)
     tok = srv.model.tokenizer
     if "messages" in body:
         from jaxllm.chat_template import ChatTemplateError, tokenize_chat
 
+        lim = srv.settings.current.limits
+        check_sizes(body["messages"], None, None, max_messages=lim.max_messages,
+                    max_tools=lim.max_tools, max_schema_bytes=lim.max_schema_bytes)
         try:
-            ids = tokenize_chat(tok, body["messages"], add_generation_prompt=bool(body.get("add_generation_prompt", True))).ids
+            ids = tokenize_chat(tok, body["messages"],
+                                add_generation_prompt=bool(body.get("add_generation_prompt", True))).ids
         except ChatTemplateError as e:
             raise ApiError(400, f"chat template: {e}", param="messages") from None
     elif isinstance(body.get("prompt"), str):
         ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", False)))
     else:
-        raise ApiError(400, "'prompt' (a string) or 'messages' is required")
+        raise ApiError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
     out: dict[str, Any] = {"count": len(ids), "max_model_len": srv.engine.max_context, "tokens": ids}
     if body.get("return_token_strs"):
         out["token_strs"] = [tok.id_to_piece(i) for i in ids]
-    return response.json(out)
+    return out
 
 
 @api.post("/detokenize")
@@ -292,7 +301,9 @@ async def detokenize(request: Request) -> Any:
     vocab = srv.model.cfg.vocab_size
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
         raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
-    return response.json({"prompt": srv.model.tokenizer.decode(ids, skip_special_tokens=False)})
+    text = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: srv.model.tokenizer.decode(ids, skip_special_tokens=False))
+    return response.json({"prompt": text})
 
 
 @api.get("/metrics")

@@ -17,7 +17,7 @@ from jaxllm.chat_template import ChatTemplateError, tokenize_chat
 from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxllm.tokenizer import Tokenizer
 from serving.errors import ApiError
-from serving.validation import check_chat, check_completion
+from serving.validation import check_chat, check_completion, check_sizes
 from serving.settings import Settings
 from serving.structured import StructuredOutputError, build_constraints, check_json_schema
 from serving.tool_calls import (
@@ -266,6 +266,9 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     raw_messages = body.get("messages")
     new_messages = list(raw_messages) if isinstance(raw_messages, list) else raw_messages
     all_messages = (history or []) + (new_messages or []) if history is not None else new_messages
+    lim = settings.limits
+    check_sizes(all_messages, tools, response_format, max_messages=lim.max_messages, max_tools=lim.max_tools,
+                max_schema_bytes=lim.max_schema_bytes)
     use_tools = tools if tools and tool_choice != "none" else None
     messages = normalize_messages(all_messages, use_tools, native)
     try:

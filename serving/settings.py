@@ -31,6 +31,9 @@ class Limits:
     prefix_cache_ttl_seconds: float = 600.0
     prefix_cache_min_tokens: int = 16
     session_ttl_seconds: float = 1800.0
+    max_messages: int = 1024  # messages of one conversation (history included)
+    max_tools: int = 128  # tools of one request
+    max_schema_bytes: int = 65536  # tools plus response_format, as JSON: each compiles into a grammar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -204,6 +204,22 @@ def check_response_format(rf: Any) -> None:
         raise bad("'response_format.type' must be a string", "response_format")
 
 
+# ---- sizes (the work a request can cause before any limit on tokens applies) -------------
+def check_sizes(messages: list[Any], tools: list[Any] | None, response_format: Any, *, max_messages: int,
+                max_tools: int, max_schema_bytes: int) -> None:
+    """Message count (a session's history included), tool count and schema size."""
+    if len(messages) > max_messages:
+        raise bad(f"the conversation has {len(messages)} messages, over the server's max_messages ({max_messages})",
+                  "messages")
+    if tools and len(tools) > max_tools:
+        raise bad(f"{len(tools)} tools is over the server's max_tools ({max_tools})", "tools")
+    for param, value in (("tools", tools), ("response_format", response_format)):
+        size = len(json.dumps(value)) if value else 0
+        if size > max_schema_bytes:
+            raise bad(f"'{param}' is {size} bytes of JSON, over the server's max_schema_bytes ({max_schema_bytes})",
+                      param)
+
+
 # ---- whole bodies ---------------------------------------------------------------------
 def check_chat(body: Any) -> None:
     """A chat completion body: every type and range that does not depend on the model."""
@@ -229,7 +245,6 @@ def check_tokenize(body: Any) -> None:
     check_scalars(body)
     if "messages" in body:
         check_messages(body["messages"])
-        check_tools(body.get("tools"), None)
 
 
 def _check_object(body: Any) -> None:

@@ -113,6 +113,18 @@ def test_boundary_inside_a_token_is_dropped(tok: Tokenizer) -> None:
     assert render_chat(template, messages).message_ends == [6, 8]
 
 
+def test_a_long_conversation_renders_a_bounded_number_of_prefixes() -> None:
+    # Rendering every prefix costs the square of the conversation: a few hundred messages took
+    # the server's event loop for tens of seconds. Ends come from the first and last messages.
+    renders: list[int] = []
+    template = "{% set _ = tick() %}{% for m in messages %}{{ m.content }};{% endfor %}"
+    messages = [{"role": "user", "content": str(i)} for i in range(100)]
+    rendered = render_chat(template, messages, tick=lambda: renders.append(1) or "")
+    assert len(renders) == 1 + 8
+    lengths = [sum(len(str(i)) + 1 for i in range(k)) for k in range(1, 101)]
+    assert rendered.message_ends == lengths[:4] + lengths[-4:]
+
+
 def test_rewritten_history_has_no_boundary() -> None:
     # Earlier turns render differently once a later turn exists (like templates that
     # drop old reasoning), so those prefixes are not boundaries.

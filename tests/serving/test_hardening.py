@@ -21,6 +21,7 @@ active_requests = 8
 active_state_mib = 64
 request_bytes = 65536
 max_output_tokens = 256
+max_schema_bytes = 16384
 [engine]
 max_slots = 4
 kv_mib = 8
@@ -185,4 +186,20 @@ def test_malformed_input_is_a_400_naming_the_field(http, path, raw, param):
 def test_n_that_can_never_be_admitted_names_n(server, client, http):
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2, "n": 5})
     assert r.status_code == 503 and r.headers["x-should-retry"] == "false" and r.json()["error"]["param"] == "n"
+    still_serves(server, client)
+
+
+def test_message_tool_and_schema_counts_are_capped_with_clear_400s(server, client, http):
+    many = [{"role": "user", "content": "x"}] * 1025
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = http.post(path, json={"model": "tiny", "messages": many, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "max_messages" in r.json()["error"]["message"]
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "tools": tools, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "max_tools" in r.text
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 40} for i in range(400)}}
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format" and "max_schema_bytes" in r.text
     still_serves(server, client)
