@@ -370,6 +370,14 @@ async def reload_settings(request: Request) -> Any:
     return response.json(result)
 
 
+def _reload_on_signal(srv: Server) -> None:
+    """SIGHUP: reload like /v1/settings/reload; a refused file keeps the settings in force."""
+    try:
+        log.info("SIGHUP: settings reloaded: %s", srv.settings.reload())
+    except (OSError, ValueError) as e:
+        log.error("SIGHUP: settings reload refused (the settings in force stay): %s", e)
+
+
 @api.get("/v1/sessions/<session_id:str>")
 async def get_session(request: Request, session_id: str) -> Any:
     srv = _server(request)
@@ -445,7 +453,7 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
         loop = asyncio.get_running_loop()
         threading.Thread(target=srv.load, args=(loop,), name="jaxllm-load", daemon=True).start()
         try:
-            loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP: settings reloaded: %s", srv.settings.reload()))
+            loop.add_signal_handler(signal.SIGHUP, lambda: _reload_on_signal(srv))
         except (NotImplementedError, RuntimeError, ValueError):
             pass
 

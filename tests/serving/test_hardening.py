@@ -203,3 +203,30 @@ def test_message_tool_and_schema_counts_are_capped_with_clear_400s(server, clien
         "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format" and "max_schema_bytes" in r.text
     still_serves(server, client)
+
+
+@pytest.mark.parametrize("line", ['active_requests = "8"', "active_requests = 0", "prefill_chunk_seconds = -1.0",
+                                  "max_output_tokens = true", "starvation_seconds = nan"])
+def test_a_reload_with_a_wrong_value_is_refused_and_the_old_settings_stay(server, client, http, line):
+    before = http.get("/v1/state").json()["settings_generation"]
+    good = server["config"].read_text()
+    key = line.split()[0]
+    kept = "".join(x for x in good.splitlines(keepends=True) if not x.startswith(key + " "))
+    server["config"].write_text(kept.replace("[limits]\n", f"[limits]\n{line}\n"))
+    try:
+        r = http.post("/v1/settings/reload")
+    finally:
+        server["config"].write_text(good)
+    assert r.status_code == 400 and line.split()[0] in r.json()["error"]["message"], r.text
+    assert http.get("/v1/state").json()["settings_generation"] == before
+    still_serves(server, client)
+
+
+def test_settings_are_checked_the_same_at_start_up():
+    from serving.settings import parse_settings
+
+    for table in ({"limits": {"active_requests": "8"}}, {"defaults": {"top_p": 0}}, {"engine": {"max_slots": "4"}},
+                  {"defaults": {"tool_call_format": "xml"}}, {"limits": []}):
+        with pytest.raises(ValueError):
+            parse_settings(table)
+    assert parse_settings({"limits": {"starvation_seconds": 3}}).limits.starvation_seconds == 3.0
