@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import logging
 import secrets
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 
 from sanic import Blueprint, Request, Sanic, response
 from sanic.exceptions import NotFound, PayloadTooLarge, SanicException
+from sanic.server.protocols.http_protocol import HttpProtocol
 
 from serving.metrics import Metrics
 from serving.output import Done, Error, Finish, Formatter, Output, sse
@@ -32,6 +34,37 @@ from serving.settings import SettingsStore
 
 log = logging.getLogger("jaxllm.serve")
 _app_ids = itertools.count()
+
+
+class CappedHttpProtocol(HttpProtocol):
+    """Sanic's protocol with a cap on open connections (limits.max_connections): one more is
+    answered 503 and closed at once, before it can hold a buffer or a task."""
+
+    _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"x-should-retry: true\r\ncontent-length: %d\r\n\r\n%s")
+
+    __slots__ = ("_refused",)  # Sanic's protocols use slots
+
+    def connection_made(self, transport: Any) -> None:
+        cap = self.app.ctx.server.settings.current.limits.max_connections
+        self._refused = False
+        if self.connections is not None and len(self.connections) >= cap:
+            body = json.dumps(ApiError(503, f"the server has max_connections ({cap}) open connections",
+                                       code="too_many_connections").body()).encode()
+            self._refused = True
+            transport.write(self._REFUSAL % (len(body), body))
+            transport.close()
+            self.app.ctx.server.metrics.count_http_error(503)
+            return
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not getattr(self, "_refused", False):  # a refused connection has no buffer: its data is dropped
+            super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not getattr(self, "_refused", False):
+            super().connection_lost(exc)
 
 
 class Server:
@@ -117,13 +150,27 @@ def _check_model(srv: Server, body: Any) -> None:
         raise ApiError(404, f"the model '{name}' does not exist", code="model_not_found", param="model")
 
 
-def _json_body(request: Request) -> Any:
-    """The body as strict JSON (no NaN / Infinity); 400 when it is not."""
-    return parse_json(request.body)
+async def _read_body(request: Request) -> bytes:
+    """Reads the body of a streaming route, after the API key was checked on the headers,
+    within request_bytes (413) and body_seconds (408): a client that trickles its body holds
+    neither memory nor a connection for long."""
+    lim = _server(request).settings.current.limits
+    if request.stream is not None and request.stream.request_body:
+        request.stream.request_max_size = lim.request_bytes  # Sanic lifts it for streaming routes
+        try:
+            await asyncio.wait_for(request.receive_body(), lim.body_seconds)
+        except asyncio.TimeoutError:
+            # Close instead of draining the rest of the body: that drain has no deadline.
+            request.stream.keep_alive = False
+            request.stream.request_body = None
+            raise ApiError(408, f"the request body did not arrive within body_seconds ({lim.body_seconds:g})",
+                           type="invalid_request_error", code="request_timeout") from None
+    return request.body or b""
 
 
-def _json_object(request: Request) -> dict[str, Any]:
-    body = _json_body(request)
+async def _json_object(request: Request) -> dict[str, Any]:
+    """The body as strict JSON (no NaN / Infinity), which must be an object; 400 otherwise."""
+    body = parse_json(await _read_body(request))
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
@@ -132,12 +179,12 @@ def _json_object(request: Request) -> dict[str, Any]:
 api = Blueprint("openai")
 
 
-@api.post("/v1/chat/completions")
+@api.post("/v1/chat/completions", stream=True)
 async def chat_completions(request: Request) -> Any:
     return await _generate(request, "chat")
 
 
-@api.post("/v1/completions")
+@api.post("/v1/completions", stream=True)
 async def completions(request: Request) -> Any:
     return await _generate(request, "completion")
 
@@ -145,7 +192,7 @@ async def completions(request: Request) -> Any:
 async def _generate(request: Request, kind: str) -> Any:
     srv = _server(request)
     _check_ready(srv)
-    body = _json_object(request)
+    body = await _json_object(request)
     _check_model(srv, body)
     settings = srv.settings.current
     engine, tok, cfg = srv.engine, srv.model.tokenizer, srv.model.cfg
@@ -257,11 +304,11 @@ async def health(request: Request) -> Any:
     return response.json({"status": "dead" if dead else "loading"}, status=503)
 
 
-@api.post("/tokenize")
+@api.post("/tokenize", stream=True)
 async def tokenize(request: Request) -> Any:
     srv = _server(request)
     _check_ready(srv)
-    body = _json_object(request)
+    body = await _json_object(request)
     _check_model(srv, body)
     # Rendering and tokenizing are request work: off the event loop, which serves everyone.
     return response.json(await asyncio.get_running_loop().run_in_executor(None, _tokenize, srv, body))
@@ -291,11 +338,11 @@ def _tokenize(srv: Server, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@api.post("/detokenize")
+@api.post("/detokenize", stream=True)
 async def detokenize(request: Request) -> Any:
     srv = _server(request)
     _check_ready(srv)
-    body = _json_object(request)
+    body = await _json_object(request)
     _check_model(srv, body)
     ids = body.get("tokens")
     vocab = srv.model.cfg.vocab_size
@@ -406,7 +453,8 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     lim = settings.current.limits
     app.config.REQUEST_MAX_SIZE = lim.request_bytes
     app.config.RESPONSE_TIMEOUT = 7 * 24 * 3600  # long generations are not cut
-    app.config.REQUEST_TIMEOUT = 600
+    # Headers: an idle bound (Sanic's clock restarts at each packet); bodies: body_seconds in all.
+    app.config.REQUEST_TIMEOUT = lim.body_seconds
     app.config.KEEP_ALIVE_TIMEOUT = 75
     app.config.NOISY_EXCEPTIONS = False
     srv = Server(settings, loader, model_name, api_key, warmup, on_death, profile_dir)

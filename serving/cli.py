@@ -33,7 +33,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def serve(loader, *, model_name: str, host: str, port: int, config: str | None, api_key: str | None,
           warmup: bool = True, profile_dir: str | None = None) -> int:
     """Runs the server until stopped; returns the exit status (1 if the worker died)."""
-    from serving.app import create_app
+    from serving.app import CappedHttpProtocol, create_app
     from serving.settings import SettingsStore, load_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -50,7 +50,7 @@ def serve(loader, *, model_name: str, host: str, port: int, config: str | None, 
     app = create_app(store, loader=loader, model_name=model_name, api_key=api_key, warmup=warmup, on_death=on_death,
                      profile_dir=profile_dir)
     print(f"jaxllm serving {model_name} at http://{host}:{port}/v1 (health: http://{host}:{port}/health)", flush=True)
-    app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
+    app.run(host=host, port=port, single_process=True, access_log=False, motd=False, protocol=CappedHttpProtocol)
     return status["code"]
 
 

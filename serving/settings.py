@@ -36,6 +36,8 @@ class Limits:
     max_messages: int = 1024  # messages of one conversation (history included)
     max_tools: int = 128  # tools of one request
     max_schema_bytes: int = 65536  # tools plus response_format, as JSON: each compiles into a grammar
+    body_seconds: float = 30.0  # a request body must arrive within this (408 after); headers: idle bound
+    max_connections: int = 256  # open client connections; more are answered 503 and closed
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,9 +96,9 @@ class Settings:
 # needs at least one of is refused when read, at start-up and on reload alike.
 _MINIMUM: dict[str, float] = {
     "active_requests": 1, "active_state_mib": 1, "request_bytes": 1, "response_bytes": 1, "max_output_tokens": 1,
-    "prefill_quantum": 1, "max_messages": 1, "max_tokens": 1, "top_k": -1,
+    "prefill_quantum": 1, "max_messages": 1, "max_tokens": 1, "top_k": -1, "max_connections": 1,
 }
-_EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p"}  # must be > 0
+_EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p", "body_seconds"}  # must be > 0
 
 
 def _check_value(name: str, value: Any, kind: Any, where: str) -> None:

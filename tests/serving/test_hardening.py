@@ -7,6 +7,8 @@ and plain HTTP; each test ends by checking the server still serves.
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import jsonschema
 import openai
@@ -22,6 +24,8 @@ active_state_mib = 64
 request_bytes = 65536
 max_output_tokens = 256
 max_schema_bytes = 16384
+body_seconds = 2
+max_connections = 12
 [engine]
 max_slots = 4
 kv_mib = 8
@@ -62,6 +66,16 @@ class Http:
 @pytest.fixture
 def http(server):
     return Http(server["base"])
+
+
+def _wait_idle(http, timeout: float = 30.0) -> dict:
+    """/v1/state once no request is active or queued (the worker publishes after each round)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = http.get("/v1/state").json()
+        if s["active_requests"] == 0 and s["queued_requests"] == 0 and s["free_slots"] == 4 or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
 
 
 def still_serves(server, client) -> None:
@@ -133,7 +147,7 @@ def test_a_sequence_failing_in_admission_gives_back_its_slot_and_pages(server, c
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "top_k": 2**40},
                       timeout=20)
         assert r.status_code in (200, 400, 500), r.text
-    state = http.get("/v1/state").json()
+    state = _wait_idle(http)
     assert state["free_slots"] == 4 and state["pages_in_use"] == 0 and state["stuck"] is None
     still_serves(server, client)
 
@@ -230,3 +244,52 @@ def test_settings_are_checked_the_same_at_start_up():
         with pytest.raises(ValueError):
             parse_settings(table)
     assert parse_settings({"limits": {"starvation_seconds": 3}}).limits.starvation_seconds == 3.0
+
+
+def _raw(server, head: str, body: bytes = b"", *, timeout: float = 20) -> bytes:
+    """Sends a request head (and part of a body) on a fresh socket; returns what comes back
+    until the server closes or `timeout` passes."""
+    with socket.create_connection(("127.0.0.1", server["port"]), timeout=timeout) as s:
+        s.sendall(head.encode() + body)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+                if b"\r\n\r\n" in out and b'"error"' in out:
+                    break
+        except TimeoutError:
+            pass
+        return out
+
+
+def test_a_wrong_key_is_refused_on_the_headers_before_the_body(server):
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer wrong\r\n"
+            "content-type: application/json\r\ncontent-length: 60000\r\n\r\n")
+    got = _raw(server, head, b'{"messages": [')  # the rest of the body never comes
+    assert got.startswith(b"HTTP/1.1 401"), got[:200]
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(server, client):
+    head = ("POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + KEY +
+            "\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n")
+    got = _raw(server, head, b'{"prompt": ')  # 11 of 100 bytes; body_seconds = 2 in this config
+    assert got.startswith(b"HTTP/1.1 408") and b"body_seconds" in got, got[:300]
+    still_serves(server, client)
+
+
+def test_connections_past_the_cap_are_refused_with_503(server, client):
+    opened = [socket.create_connection(("127.0.0.1", server["port"]), timeout=10) for _ in range(24)]
+    try:
+        refused = 0
+        for s in opened:
+            s.settimeout(0.5)
+            try:
+                refused += s.recv(4096).startswith(b"HTTP/1.1 503")
+            except TimeoutError:
+                pass
+        assert refused >= 24 - 12, refused  # max_connections = 12 in this config
+    finally:
+        for s in opened:
+            s.close()
+    time.sleep(0.5)  # the server sees the closes
+    still_serves(server, client)
