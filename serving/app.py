@@ -17,7 +17,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sanic import Blueprint, Request, Sanic, response
@@ -28,7 +28,7 @@ from serving.metrics import Metrics
 from serving.output import Done, Error, Finish, Formatter, Output, sse
 from serving.protocol import ApiError, Prepared, parse_chat, parse_completion
 from serving.scheduler import Job, Scheduler, reservation_bytes, warmup_engine
-from serving.sessions import SessionStore
+from serving.sessions import SessionBusy, SessionStore
 from serving.validation import check_sizes, check_tokenize, parse_json
 from serving.settings import SettingsStore
 
@@ -70,7 +70,7 @@ class CappedHttpProtocol(HttpProtocol):
 class Server:
     """What the routes share (on `app.ctx.server`): model, scheduler, stores, settings."""
 
-    def __init__(self, settings: SettingsStore, loader: Callable[[], Any], model_name: str, api_key: str | None,
+    def __init__(self, settings: SettingsStore, loader: Callable[[], Any], model_name: str, api_keys: frozenset[str],
                  warmup: bool, on_death: Callable[[BaseException], None] | None, profile_dir: str | None = None):
         self.settings = settings
         self.profile_dir = profile_dir
@@ -78,7 +78,7 @@ class Server:
         self.costs: dict[str, int] | None = None  # jaxllm.costs.ModelCosts of the loaded model
         self.loader = loader
         self.model_name = model_name
-        self.api_key = api_key
+        self.api_keys = api_keys  # empty: no authentication
         self.warmup = warmup
         self.on_death = on_death
         self.metrics = Metrics()
@@ -122,6 +122,17 @@ class Server:
             log.critical("model load failed: %s", e, exc_info=True)
             if self.on_death is not None:
                 self.on_death(e)
+
+    def key_of(self, authorization: str) -> str | None:
+        """The API key an Authorization header carries, if it is one of ours (constant time)."""
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return None
+        found = None
+        for k in self.api_keys:  # every key is compared, so the time says nothing about which matched
+            if secrets.compare_digest(given.encode(), k.encode()):
+                found = k
+        return found
 
     def next_id(self, kind: str) -> str:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -194,23 +205,61 @@ async def _generate(request: Request, kind: str) -> Any:
     _check_ready(srv)
     body = await _json_object(request)
     _check_model(srv, body)
+    key = _caller_key(request)
+    turn = _SessionTurn.open(srv, key, body.get("session") if kind == "chat" else None)
+    try:
+        return await _run_generation(request, srv, kind, body, turn)
+    finally:
+        turn.close()
+
+
+class _SessionTurn:
+    """One request's hold on a session: an existing session is claimed (one turn at a time,
+    409 otherwise) and released when the response ends; a new one is created only once the
+    request is accepted, and deleted again if it fails before its first turn."""
+
+    def __init__(self, srv: Server, key: str | None, session_id: str | None, history: list | None, seed: int | None,
+                 new: bool):
+        self.srv, self.key, self.id, self.history, self.seed, self.new = srv, key, session_id, history, seed, new
+        self.completed = False
+
+    @classmethod
+    def open(cls, srv: Server, key: str | None, sess: Any) -> _SessionTurn:
+        if sess in (None, False):
+            return cls(srv, key, None, None, None, False)
+        if sess is True or sess == "new":
+            return cls(srv, key, None, [], secrets.randbits(32), True)
+        if not isinstance(sess, str):
+            raise ApiError(400, "'session' must be true, \"new\" or a session id", param="session")
+        try:
+            snap = srv.sessions.claim(sess, key)
+        except SessionBusy:
+            raise ApiError(409, f"session '{sess}' has a turn in progress; send the next turn after it ends",
+                           type="invalid_request_error", param="session", code="session_busy") from None
+        if snap is None:
+            raise ApiError(404, f"session '{sess}' does not exist (or expired)", param="session", code="session_not_found")
+        history, seed = snap
+        return cls(srv, key, sess, history, seed, False)
+
+    def accepted(self) -> None:
+        """The request passed validation and admission checks: a new session exists from now."""
+        if self.new:
+            self.id = self.srv.sessions.create(self.key, rng=self.seed, claimed=True).id
+
+    def close(self) -> None:
+        if self.id is None:
+            return
+        if self.new and not self.completed:
+            self.srv.sessions.delete(self.id, self.key)
+        else:
+            self.srv.sessions.release(self.id)
+
+
+async def _run_generation(request: Request, srv: Server, kind: str, body: dict[str, Any], turn: _SessionTurn) -> Any:
     settings = srv.settings.current
     engine, tok, cfg = srv.engine, srv.model.tokenizer, srv.model.cfg
-    session_id, history, session_seed = None, None, None
-    if kind == "chat" and body.get("session") not in (None, False):
-        sess = body["session"]
-        if sess is True or sess == "new":
-            s = srv.sessions.create(srv.api_key)
-            session_id, history, session_seed = s.id, [], s.rng
-        elif isinstance(sess, str):
-            snap = srv.sessions.snapshot(sess, srv.api_key)
-            if snap is None:
-                raise ApiError(404, f"session '{sess}' does not exist (or expired)", param="session", code="session_not_found")
-            session_id, (history, session_seed) = sess, snap
-        else:
-            raise ApiError(400, "'session' must be true, \"new\" or a session id", param="session")
+    history, session_seed = turn.history, turn.seed
     loop = asyncio.get_running_loop()
-
     def prepare() -> Prepared:
         common = dict(max_context=engine.max_context, model_name=srv.model_name, vocab=cfg.vocab_size)
         if kind == "chat":
@@ -235,6 +284,8 @@ async def _generate(request: Request, kind: str) -> Any:
         srv.scheduler.totals["rejected"] += 1
         srv.metrics.count_outcome("rejected")
         raise ApiError(503, never, code="never_fits", param=param, headers={"x-should-retry": "false"})
+    turn.accepted()
+    session_id = turn.id
     output = Output(loop)
     job = Job(id=srv.next_id(kind), prepared=prepared, settings=settings, output=output, reservation=reservation,
               pages=pages, arrived=srv.scheduler.clock(), session_id=session_id,
@@ -247,6 +298,7 @@ async def _generate(request: Request, kind: str) -> Any:
         first_error = next((f for f in frames if isinstance(f, Error)), None)
         if first_error is not None and not any(isinstance(f, Finish) for f in frames):
             raise ApiError(first_error.status, first_error.message)
+        turn.completed = True  # the turn produced output: the session stays even if the stream breaks later
         if prepared.stream:
             return await _stream(request, output, fmt, frames, headers)
         return await _collect(output, fmt, frames, headers)
@@ -361,8 +413,13 @@ async def metrics(request: Request) -> Any:
 @api.get("/v1/state")
 async def state(request: Request) -> Any:
     srv = _server(request)
-    # The worker's snapshot plus what the model costs per token (for MBU / MFU figures).
-    return response.json({**srv.metrics.state, "model": {"name": srv.model_name, "costs": srv.costs}})
+    # The worker's snapshot plus what the model costs per token (for MBU / MFU figures). A
+    # session id is a bearer secret: only the caller's own sessions are named.
+    snapshot = srv.metrics.state
+    key = _caller_key(request)
+    active = [{**a, "session": a["session"] if a.get("session") and srv.sessions.owned(a["session"], key) else None}
+              for a in snapshot.get("active", [])]
+    return response.json({**snapshot, "active": active, "model": {"name": srv.model_name, "costs": srv.costs}})
 
 
 @api.post("/start_profile")
@@ -428,7 +485,7 @@ def _reload_on_signal(srv: Server) -> None:
 @api.get("/v1/sessions/<session_id:str>")
 async def get_session(request: Request, session_id: str) -> Any:
     srv = _server(request)
-    s = srv.sessions.get(session_id, srv.api_key)
+    s = srv.sessions.get(session_id, _caller_key(request))
     if s is None:
         raise ApiError(404, f"session '{session_id}' does not exist", code="session_not_found")
     return response.json(s.public())
@@ -437,7 +494,7 @@ async def get_session(request: Request, session_id: str) -> Any:
 @api.delete("/v1/sessions/<session_id:str>")
 async def delete_session(request: Request, session_id: str) -> Any:
     srv = _server(request)
-    if not srv.sessions.delete(session_id, srv.api_key):
+    if not srv.sessions.delete(session_id, _caller_key(request)):
         raise ApiError(404, f"session '{session_id}' does not exist", code="session_not_found")
     return response.json({"id": session_id, "object": "session.deleted", "deleted": True})
 
@@ -445,7 +502,14 @@ async def delete_session(request: Request, session_id: str) -> Any:
 _OPEN_PATHS = {"/health", "/metrics"}
 
 
+def _caller_key(request: Request) -> str | None:
+    """The API key the request authenticated with (None when the server has none): sessions
+    belong to it."""
+    return getattr(request.ctx, "api_key", None)
+
+
 def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name: str, api_key: str | None = None,
+               api_keys: Iterable[str] = (),
                warmup: bool = True, on_death: Callable[[BaseException], None] | None = None,
                profile_dir: str | None = None) -> Sanic:
     """Builds the Sanic app; `loader()` returns a `jaxllm.api.Model` (called off the loop)."""
@@ -457,17 +521,22 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     app.config.REQUEST_TIMEOUT = lim.body_seconds
     app.config.KEEP_ALIVE_TIMEOUT = 75
     app.config.NOISY_EXCEPTIONS = False
-    srv = Server(settings, loader, model_name, api_key, warmup, on_death, profile_dir)
+    keys = frozenset(k for k in (api_key, *api_keys) if k)
+    srv = Server(settings, loader, model_name, keys, warmup, on_death, profile_dir)
     app.ctx.server = srv
     app.blueprint(api)
 
     @app.on_request
     async def authenticate(request: Request) -> Any:
-        if srv.api_key is None or request.path in _OPEN_PATHS:
+        # Runs on the headers: the body routes stream, so nothing of the body is read before this.
+        request.ctx.api_key = None
+        if not srv.api_keys:
             return None
-        if request.headers.get("authorization", "") != f"Bearer {srv.api_key}":
+        key = srv.key_of(request.headers.get("authorization", ""))
+        if key is None and request.path not in _OPEN_PATHS:
             srv.metrics.count_http_error(401)
             return error_response(ApiError(401, "missing or wrong API key", code="invalid_api_key"))
+        request.ctx.api_key = key
         return None
 
     @app.exception(ApiError)

@@ -17,6 +17,7 @@ import requests
 from tests.serving.launch import running_server
 
 KEY = "test-key"
+KEY2 = "second-key"
 CONFIG = """
 [limits]
 active_requests = 8
@@ -38,7 +39,9 @@ MSGS = [{"role": "user", "content": "Where do I live?"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hardening")
-    with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp, CONFIG, health_timeout=240) as s:
+    (tmp / "keys").write_text(f"# a second client\n{KEY2}\n")
+    args = ["tests.serving.tiny_server", "--api-key", KEY, "--api-key-file", str(tmp / "keys")]
+    with running_server(args, tmp, CONFIG, health_timeout=240) as s:
         yield s
 
 
@@ -293,3 +296,41 @@ def test_connections_past_the_cap_are_refused_with_503(server, client):
             s.close()
     time.sleep(0.5)  # the server sees the closes
     still_serves(server, client)
+
+
+def test_sessions_belong_to_their_key_and_are_listed_to_it_alone(server, client, http):
+    other = Http(server["base"], KEY2)
+    first = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": True})
+    sid = first.headers["x-session-id"]
+    assert other.get(f"/v1/sessions/{sid}").status_code == 404
+    r = other.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": sid})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "session"
+    assert other.s.delete(server["base"] + f"/v1/sessions/{sid}").status_code == 404
+    # A long turn is running: /v1/state names its session to the owner only.
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go on."}], max_tokens=200,
+                                            stream=True, extra_body={"session": sid, "ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    try:
+        mine = [a["session"] for a in http.get("/v1/state").json()["active"]]
+        theirs = [a["session"] for a in other.get("/v1/state").json()["active"]]
+        assert sid in mine and sid not in theirs and sid not in other.get("/v1/state").text
+        # A second turn of the same session meanwhile would interleave the history: 409.
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": sid})
+        assert r.status_code == 409 and r.json()["error"]["param"] == "session", r.text
+    finally:
+        list(it)
+    got = http.get(f"/v1/sessions/{sid}").json()
+    assert got["turns"] == 2 and [m["role"] for m in got["messages"]] == ["user", "assistant"] * 2
+    assert other.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2}).status_code == 200
+
+
+def test_a_rejected_request_creates_no_session(server, client, http):
+    still_serves(server, client)  # a round ends with a fresh /v1/state
+    created = _wait_idle(http)["sessions"]["created"]
+    for extra in ({"temperature": -1}, {"n": 5}, {"max_tokens": 100000}, {"tools": [{"function": {"name": 5}}]}):
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": True,
+                                                    **extra})
+        assert r.status_code in (400, 503) and "x-session-id" not in r.headers, r.text
+    still_serves(server, client)
+    assert _wait_idle(http)["sessions"]["created"] == created
