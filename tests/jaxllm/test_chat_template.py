@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +182,18 @@ def test_synthetic_tokenizer_template() -> None:
     prompt = tokenize_chat(syn, [{"role": "user", "content": "t5 t6"}])
     assert prompt.text.endswith("assistant ")
     assert prompt.ids[-2:] != [] and len(prompt.message_boundaries) == 1
+
+
+@pytest.mark.parametrize("template,why", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+    ("{{ 1/0 }}", "ZeroDivisionError"),
+    ("{{ 'x' * 100000000 }}", "repeats"),
+    ("{{ 7 ** 100000000 > 5 }}", "power"),
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "characters"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+])
+def test_a_runaway_template_is_a_chat_template_error(template: str, why: str) -> None:
+    tracer = sys.gettrace()
+    with pytest.raises(ChatTemplateError, match=why):
+        render_chat(template, [{"role": "user", "content": "hi"}])
+    assert sys.gettrace() is tracer  # the step counter is gone
