@@ -18,6 +18,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig, config_from_hf
+from jaxllm.loading.checks import check_dims, check_heads, check_positive_finite
 from jaxllm.loading.assemble import ParamAssembler, heads_bias, heads_in, heads_out, linear
 from jaxllm.params import Params
 
@@ -120,6 +121,23 @@ def _layer_tensor(asm: ParamAssembler, cfg: ModelConfig, i: int, name: str, w: n
     return False
 
 
+def check_hf_config(hf: dict[str, Any]) -> None:
+    """The shape keys of config.json, before config_from_hf divides by them (see loading.checks)."""
+    src = "config.json"
+    for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size"):
+        if key not in hf:
+            raise ValueError(f"{src} lacks {key}")
+    check_dims(src, heads=("num_attention_heads", hf["num_attention_heads"]), width=("hidden_size", hf["hidden_size"]),
+               layers=("num_hidden_layers", hf["num_hidden_layers"]), vocab=("vocab_size", hf["vocab_size"]),
+               kv_heads=("num_key_value_heads", hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+               ffn=("intermediate_size", hf.get("intermediate_size", 0)),
+               context=("max_position_embeddings", hf.get("max_position_embeddings", 4096)))
+    if hf.get("head_dim") is not None:
+        check_dims(src, head_dim=("head_dim", hf["head_dim"]))
+    check_heads(src, int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads") or hf["num_attention_heads"]))
+    check_positive_finite(src, "rms_norm_eps", hf.get("rms_norm_eps", 1e-6))
+
+
 def load_safetensors_model(
     model_dir: str | Path, *, dtype: str = "float32", scan_layers: bool = True, progress: bool = True
 ) -> tuple[ModelConfig, Params]:
@@ -142,7 +160,9 @@ def load_safetensors_model(
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
-    cfg = config_from_hf(read_hf_config(model_dir), dtype=dtype, scan_layers=scan_layers)
+    hf = read_hf_config(model_dir)
+    check_hf_config(hf)
+    cfg = config_from_hf(hf, dtype=dtype, scan_layers=scan_layers)
     asm = ParamAssembler(cfg)
     unknown: list[str] = []
     for name, get in _iter_tensors(_shard_files(model_dir), progress):
