@@ -122,20 +122,19 @@ def _layer_tensor(asm: ParamAssembler, cfg: ModelConfig, i: int, name: str, w: n
 
 
 def check_hf_config(hf: dict[str, Any]) -> None:
-    """The shape keys of config.json, before config_from_hf divides by them (see loading.checks)."""
+    """The shape keys config.json has, before config_from_hf divides by them (see loading.checks)."""
     src = "config.json"
-    for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size"):
-        if key not in hf:
-            raise ValueError(f"{src} lacks {key}")
-    check_dims(src, heads=("num_attention_heads", hf["num_attention_heads"]), width=("hidden_size", hf["hidden_size"]),
-               layers=("num_hidden_layers", hf["num_hidden_layers"]), vocab=("vocab_size", hf["vocab_size"]),
-               kv_heads=("num_key_value_heads", hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-               ffn=("intermediate_size", hf.get("intermediate_size", 0)),
-               context=("max_position_embeddings", hf.get("max_position_embeddings", 4096)))
-    if hf.get("head_dim") is not None:
-        check_dims(src, head_dim=("head_dim", hf["head_dim"]))
-    check_heads(src, int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads") or hf["num_attention_heads"]))
-    check_positive_finite(src, "rms_norm_eps", hf.get("rms_norm_eps", 1e-6))
+    roles = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "hidden_size": "width",
+             "num_hidden_layers": "layers", "vocab_size": "vocab", "intermediate_size": "ffn",
+             "max_position_embeddings": "context", "head_dim": "head_dim"}
+    for key, role in roles.items():
+        if hf.get(key) is not None:
+            check_dims(src, **{role: (key, hf[key])})
+    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if heads and kv:
+        check_heads(src, int(heads), int(kv))
+    if "rms_norm_eps" in hf:
+        check_positive_finite(src, "rms_norm_eps", hf["rms_norm_eps"])
 
 
 def load_safetensors_model(
