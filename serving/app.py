@@ -87,6 +87,8 @@ class Server:
         self.engine: Any = None
         self.scheduler: Scheduler | None = None
         self.load_error: BaseException | None = None
+        self.draining = False  # stopping: in-flight requests finish, new ones get 503
+        self.in_flight = 0  # generation requests whose response is not fully sent
         self._ids = itertools.count()
 
     @property
@@ -148,6 +150,8 @@ def _server(request: Request) -> Server:
 
 
 def _check_ready(srv: Server) -> None:
+    if srv.draining:
+        raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
     if not srv.ready:
         raise ApiError(503, "the model is loading" if srv.scheduler is None or srv.scheduler.dead is None
                        else "the worker thread died", type="service_unavailable")
@@ -207,9 +211,11 @@ async def _generate(request: Request, kind: str) -> Any:
     _check_model(srv, body)
     key = _caller_key(request)
     turn = _SessionTurn.open(srv, key, body.get("session") if kind == "chat" else None)
+    srv.in_flight += 1
     try:
         return await _run_generation(request, srv, kind, body, turn)
     finally:
+        srv.in_flight -= 1
         turn.close()
 
 
@@ -348,6 +354,8 @@ async def models(request: Request) -> Any:
 @api.get("/health")
 async def health(request: Request) -> Any:
     srv = _server(request)
+    if srv.draining:
+        return response.json({"status": "draining"}, status=503)
     if srv.ready and srv.scheduler.stuck:
         return response.json({"status": "stuck", "reason": srv.scheduler.stuck}, status=503)
     if srv.ready:
@@ -502,6 +510,17 @@ async def delete_session(request: Request, session_id: str) -> Any:
 _OPEN_PATHS = {"/health", "/metrics"}
 
 
+async def _drain(srv: Server, seconds: float) -> None:
+    """Waits until no generation request is in flight, or `seconds` passed."""
+    deadline = time.monotonic() + seconds
+    if srv.in_flight:
+        log.info("draining %d in-flight request(s) for up to %gs", srv.in_flight, seconds)
+    while srv.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if srv.in_flight:
+        log.warning("drain timed out with %d request(s) in flight; they get 503", srv.in_flight)
+
+
 def _caller_key(request: Request) -> str | None:
     """The API key the request authenticated with (None when the server has none): sessions
     belong to it."""
@@ -521,6 +540,7 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     app.config.REQUEST_TIMEOUT = lim.body_seconds
     app.config.KEEP_ALIVE_TIMEOUT = 75
     app.config.NOISY_EXCEPTIONS = False
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 5.0  # after the drain: responses are sent by then
     keys = frozenset(k for k in (api_key, *api_keys) if k)
     srv = Server(settings, loader, model_name, keys, warmup, on_death, profile_dir)
     app.ctx.server = srv
@@ -576,6 +596,10 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
 
     @app.before_server_stop
     async def stop(app: Sanic) -> None:
+        # SIGTERM / SIGINT: refuse new work, let what runs finish (bounded), then stop the worker,
+        # which fails whatever is left with 503.
+        srv.draining = True
+        await _drain(srv, srv.settings.current.limits.drain_seconds)
         if srv.scheduler is not None:
             await asyncio.get_running_loop().run_in_executor(None, srv.scheduler.stop)
 

@@ -38,6 +38,7 @@ class Limits:
     max_schema_bytes: int = 65536  # tools plus response_format, as JSON: each compiles into a grammar
     body_seconds: float = 30.0  # a request body must arrive within this (408 after); headers: idle bound
     max_connections: int = 256  # open client connections; more are answered 503 and closed
+    drain_seconds: float = 30.0  # on SIGTERM: in-flight requests finish within this; new ones get 503
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ and plain HTTP; each test ends by checking the server still serves.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 
@@ -334,3 +335,22 @@ def test_a_rejected_request_creates_no_session(server, client, http):
         assert r.status_code in (400, 503) and "x-session-id" not in r.headers, r.text
     still_serves(server, client)
     assert _wait_idle(http)["sessions"]["created"] == created
+
+
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
+    with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp_path, CONFIG, health_timeout=240) as s:
+        client = openai.OpenAI(base_url=s["base"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        stream = client.completions.create(model="tiny", prompt="Once", max_tokens=250, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        it = iter(stream)
+        text = next(it).choices[0].text
+        s["proc"].send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the server has seen the signal
+        r = requests.post(s["base"] + "/v1/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=10,
+                          json={"model": "tiny", "prompt": "late", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        chunks = list(it)  # the in-flight stream runs to its end
+        assert chunks[-1].choices[0].finish_reason == "length"
+        text += "".join(c.choices[0].text for c in chunks)
+        assert s["proc"].wait(60) == 0
+        assert "drain" in s["log"].read_text()
