@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from sanic import Blueprint, Request, Sanic, response
@@ -75,6 +76,7 @@ class Server:
         self.settings = settings
         self.profile_dir = profile_dir
         self.profiling = False
+        self.profile_timer: asyncio.TimerHandle | None = None  # stops a trace at profile_max_seconds
         self.costs: dict[str, int] | None = None  # jaxllm.costs.ModelCosts of the loaded model
         self.loader = loader
         self.model_name = model_name
@@ -432,38 +434,66 @@ async def state(request: Request) -> Any:
 
 @api.post("/start_profile")
 async def start_profile(request: Request) -> Any:
-    """Starts a JAX profiler trace into the server's --profile-dir (vLLM's endpoint name)."""
+    """Starts a JAX profiler trace into the server's --profile-dir (vLLM's endpoint name); it
+    stops by itself after profile_max_seconds, and none starts while the directory holds
+    profile_max_mib or more."""
     srv = _check_profiling(request, running=False)
+    lim = srv.settings.current.limits
+    loop = asyncio.get_running_loop()
+    used = await loop.run_in_executor(None, _dir_bytes, srv.profile_dir)
+    if used >= lim.profile_max_mib << 20:
+        raise ApiError(409, f"the profile directory holds {used >> 20} MiB, at profile_max_mib ({lim.profile_max_mib}); "
+                            "remove old traces first", type="invalid_request_error", code="profile_dir_full")
     import jax
 
+    srv.profiling = True  # before the await: a second start meanwhile is a 409
     try:
-        await asyncio.get_running_loop().run_in_executor(None, jax.profiler.start_trace, srv.profile_dir)
+        await loop.run_in_executor(None, jax.profiler.start_trace, srv.profile_dir)
     except Exception as e:  # noqa: BLE001 - e.g. a trace started by other means
+        srv.profiling = False
         raise ApiError(500, f"the profiler did not start: {e}") from None
-    srv.profiling = True
-    log.info("profiler trace started into %s", srv.profile_dir)
-    return response.json({"status": "profiling", "dir": srv.profile_dir})
+    srv.profile_timer = loop.call_later(lim.profile_max_seconds, lambda: asyncio.ensure_future(_end_profile(srv, "timed out")))
+    log.info("profiler trace started into %s (stops after %gs)", srv.profile_dir, lim.profile_max_seconds)
+    return response.json({"status": "profiling", "dir": srv.profile_dir, "max_seconds": lim.profile_max_seconds})
 
 
 @api.post("/stop_profile")
 async def stop_profile(request: Request) -> Any:
     """Stops the trace and writes it (TensorBoard / Perfetto readable) under --profile-dir."""
     srv = _check_profiling(request, running=True)
+    try:
+        await _end_profile(srv, "stopped")
+    except Exception as e:  # noqa: BLE001
+        raise ApiError(500, f"the profiler trace was not written: {e}") from None
+    return response.json({"status": "written", "dir": srv.profile_dir})
+
+
+async def _end_profile(srv: Server, why: str) -> None:
+    """Stops a running trace (by request or by its time limit) and writes it."""
+    if not srv.profiling:
+        return
     import jax
 
     srv.profiling = False
-    try:
-        await asyncio.get_running_loop().run_in_executor(None, jax.profiler.stop_trace)
-    except Exception as e:  # noqa: BLE001
-        raise ApiError(500, f"the profiler trace was not written: {e}") from None
-    log.info("profiler trace written under %s", srv.profile_dir)
-    return response.json({"status": "written", "dir": srv.profile_dir})
+    if srv.profile_timer is not None:
+        srv.profile_timer.cancel()
+        srv.profile_timer = None
+    await asyncio.get_running_loop().run_in_executor(None, jax.profiler.stop_trace)
+    log.info("profiler trace %s, written under %s", why, srv.profile_dir)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
 
 
 def _check_profiling(request: Request, *, running: bool) -> Server:
     srv = _server(request)
     if srv.profile_dir is None:
         raise ApiError(400, "profiling is off: start the server with --profile-dir DIR")
+    if not srv.api_keys:
+        # A trace slows every request and writes to the server's disk: not for anonymous callers.
+        raise ApiError(403, "profiling needs a server started with an API key (--api-key or --api-key-file)",
+                       type="permission_error", code="profiling_needs_api_key")
     if srv.profiling != running:
         raise ApiError(409 if srv.profiling else 400,
                        "a profile is already running" if srv.profiling else "no profile is running",

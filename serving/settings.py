@@ -39,6 +39,8 @@ class Limits:
     body_seconds: float = 30.0  # a request body must arrive within this (408 after); headers: idle bound
     max_connections: int = 256  # open client connections; more are answered 503 and closed
     drain_seconds: float = 30.0  # on SIGTERM: in-flight requests finish within this; new ones get 503
+    profile_max_seconds: float = 60.0  # a profiler trace stops by itself after this
+    profile_max_mib: int = 1024  # no new trace while --profile-dir holds this much
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,7 +101,7 @@ _MINIMUM: dict[str, float] = {
     "active_requests": 1, "active_state_mib": 1, "request_bytes": 1, "response_bytes": 1, "max_output_tokens": 1,
     "prefill_quantum": 1, "max_messages": 1, "max_tokens": 1, "top_k": -1, "max_connections": 1,
 }
-_EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p", "body_seconds"}  # must be > 0
+_EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p", "body_seconds", "profile_max_seconds"}  # must be > 0
 
 
 def _check_value(name: str, value: Any, kind: Any, where: str) -> None:

@@ -28,6 +28,8 @@ max_output_tokens = 256
 max_schema_bytes = 16384
 body_seconds = 2
 max_connections = 12
+profile_max_seconds = 1
+profile_max_mib = 1
 [engine]
 max_slots = 4
 kv_mib = 8
@@ -41,7 +43,8 @@ MSGS = [{"role": "user", "content": "Where do I live?"}]
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hardening")
     (tmp / "keys").write_text(f"# a second client\n{KEY2}\n")
-    args = ["tests.serving.tiny_server", "--api-key", KEY, "--api-key-file", str(tmp / "keys")]
+    args = ["tests.serving.tiny_server", "--api-key", KEY, "--api-key-file", str(tmp / "keys"),
+            "--profile-dir", str(tmp / "trace")]
     with running_server(args, tmp, CONFIG, health_timeout=240) as s:
         yield s
 
@@ -354,3 +357,24 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
         text += "".join(c.choices[0].text for c in chunks)
         assert s["proc"].wait(60) == 0
         assert "drain" in s["log"].read_text()
+
+
+def test_a_profile_stops_by_itself_and_a_full_profile_dir_refuses_a_new_one(server, client, http):
+    r = http.post("/start_profile")
+    assert r.status_code == 200 and r.json()["max_seconds"] == 1, r.text
+    deadline = time.monotonic() + 60
+    while "profiler trace timed out" not in server["log"].read_text():
+        assert time.monotonic() < deadline, "the trace never stopped by itself"
+        time.sleep(0.2)
+    assert http.post("/stop_profile").status_code == 400  # nothing runs any more
+    (server["tmp"] / "trace" / "old.bin").write_bytes(b"\0" * (2 << 20))
+    r = http.post("/start_profile")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "profile_dir_full", r.text
+    still_serves(server, client)
+
+
+def test_profiling_is_refused_on_a_server_without_an_api_key(tmp_path):
+    args = ["tests.serving.tiny_server", "--profile-dir", str(tmp_path / "trace")]
+    with running_server(args, tmp_path, CONFIG, health_timeout=240) as s:
+        r = requests.post(s["base"] + "/start_profile", timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "profiling_needs_api_key", r.text
