@@ -24,6 +24,7 @@ from typing import Any
 from sanic import Blueprint, Request, Sanic, response
 from sanic.exceptions import NotFound, PayloadTooLarge, SanicException
 from sanic.server.protocols.http_protocol import HttpProtocol
+from sanic.http import Stage
 
 from serving.metrics import Metrics
 from serving.output import Done, Error, Finish, Formatter, Output, sse
@@ -60,8 +61,16 @@ class CappedHttpProtocol(HttpProtocol):
         super().connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if not getattr(self, "_refused", False):  # a refused connection has no buffer: its data is dropped
-            super().data_received(data)
+        if getattr(self, "_refused", False):  # a refused connection has no buffer: its data is dropped
+            return
+        started = self._time
+        super().data_received(data)
+        # Sanic restarts its request clock at every packet, so headers sent a byte at a time
+        # never time out: while they arrive, the clock keeps their first byte's time and
+        # REQUEST_TIMEOUT bounds the whole head.
+        http = getattr(self, "_http", None)  # set once the connection task runs
+        if http is not None and http.stage is Stage.REQUEST:
+            self._time = started
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not getattr(self, "_refused", False):
@@ -566,7 +575,7 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     lim = settings.current.limits
     app.config.REQUEST_MAX_SIZE = lim.request_bytes
     app.config.RESPONSE_TIMEOUT = 7 * 24 * 3600  # long generations are not cut
-    # Headers: an idle bound (Sanic's clock restarts at each packet); bodies: body_seconds in all.
+    # Headers and bodies each get body_seconds in all (see CappedHttpProtocol and _read_body).
     app.config.REQUEST_TIMEOUT = lim.body_seconds
     app.config.KEEP_ALIVE_TIMEOUT = 75
     app.config.NOISY_EXCEPTIONS = False

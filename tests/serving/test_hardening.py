@@ -7,6 +7,7 @@ and plain HTTP; each test ends by checking the server still serves.
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
 import time
@@ -378,3 +379,21 @@ def test_profiling_is_refused_on_a_server_without_an_api_key(tmp_path):
     with running_server(args, tmp_path, CONFIG, health_timeout=240) as s:
         r = requests.post(s["base"] + "/start_profile", timeout=30)
         assert r.status_code == 403 and r.json()["error"]["code"] == "profiling_needs_api_key", r.text
+
+
+def test_headers_sent_a_byte_at_a_time_time_out(server, client):
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-padding: " + b"a" * 200
+    got, started = b"", time.monotonic()
+    with socket.create_connection(("127.0.0.1", server["port"]), timeout=20) as s:
+        try:
+            for byte in head:  # each byte well within the idle timeout, the whole head (20 s) far past it
+                s.sendall(bytes([byte]))
+                if select.select([s], [], [], 0.1)[0]:
+                    got = s.recv(4096)
+                    break
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    waited = time.monotonic() - started
+    # body_seconds = 2 bounds the head; the error answer passes the key check first (401 or 408).
+    assert waited < 10 and (got[:12] in (b"HTTP/1.1 408", b"HTTP/1.1 401") or got == b""), (waited, got[:200])
+    still_serves(server, client)
