@@ -205,7 +205,7 @@ def _render_text(
         raise
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(str(e)) from e
-    except Exception as e:  # noqa: BLE001 - the template is untrusted: 1/0, recursion, ... are its failures
+    except Exception as e:  # the template is untrusted: 1/0, recursion, ... are its failures
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
     finally:
         sys.settrace(previous)

@@ -23,16 +23,16 @@ from typing import Any
 
 from sanic import Blueprint, Request, Sanic, response
 from sanic.exceptions import NotFound, PayloadTooLarge, SanicException
-from sanic.server.protocols.http_protocol import HttpProtocol
 from sanic.http import Stage
+from sanic.server.protocols.http_protocol import HttpProtocol
 
 from serving.metrics import Metrics
 from serving.output import Done, Error, Finish, Formatter, Output, sse
 from serving.protocol import ApiError, Prepared, parse_chat, parse_completion
 from serving.scheduler import Job, Scheduler, reservation_bytes, warmup_engine
 from serving.sessions import SessionBusy, SessionStore
-from serving.validation import check_sizes, check_tokenize, parse_json
 from serving.settings import SettingsStore
+from serving.validation import check_sizes, check_tokenize, parse_json
 
 log = logging.getLogger("jaxllm.serve")
 _app_ids = itertools.count()
@@ -185,7 +185,7 @@ async def _read_body(request: Request) -> bytes:
         request.stream.request_max_size = lim.request_bytes  # Sanic lifts it for streaming routes
         try:
             await asyncio.wait_for(request.receive_body(), lim.body_seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # Close instead of draining the rest of the body: that drain has no deadline.
             request.stream.keep_alive = False
             request.stream.request_body = None
@@ -277,6 +277,7 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
     engine, tok, cfg = srv.engine, srv.model.tokenizer, srv.model.cfg
     history, session_seed = turn.history, turn.seed
     loop = asyncio.get_running_loop()
+
     def prepare() -> Prepared:
         common = dict(max_context=engine.max_context, model_name=srv.model_name, vocab=cfg.vocab_size)
         if kind == "chat":

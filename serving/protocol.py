@@ -17,7 +17,6 @@ from jaxllm.chat_template import ChatTemplateError, tokenize_chat
 from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxllm.tokenizer import Tokenizer
 from serving.errors import ApiError
-from serving.validation import check_chat, check_completion, check_sizes
 from serving.settings import Settings
 from serving.structured import StructuredOutputError, build_constraints, check_json_schema
 from serving.tool_calls import (
@@ -27,6 +26,7 @@ from serving.tool_calls import (
     render_tool_calls_as_text,
     render_tool_result_as_text,
 )
+from serving.validation import check_chat, check_completion, check_sizes
 
 
 def bad(message: str, param: str | None = None) -> ApiError:

@@ -127,7 +127,7 @@ def _check_value(name: str, value: Any, kind: Any, where: str) -> None:
 
 def _build(cls: type, table: dict[str, Any], where: str) -> Any:
     if not isinstance(table, dict):
-        raise ValueError(f"[{where}] must be a table")
+        raise ValueError(f"[{where}] must be a table")  # noqa: TRY004 - settings errors are ValueErrors (reload's 400)
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
     unknown = set(table) - set(fields)
     if unknown:

@@ -112,6 +112,12 @@ def _optional(body: Mapping[str, Any], name: str, check: Callable[[Any, str], No
         check(body[name], name)
 
 
+def _optional_type(obj: Mapping[str, Any], name: str, kind: type, where: str, what: str) -> None:
+    """`obj[name]`, when present, is of `kind`; the error names `where.name`."""
+    if obj.get(name) is not None:
+        _check_type(obj[name], kind, f"{where}.{name}", what)
+
+
 def check_scalars(body: Mapping[str, Any]) -> None:
     for name in FLOAT_FIELDS:
         _optional(body, name, check_number)
@@ -169,13 +175,13 @@ def check_messages(messages: Any) -> None:
         elif content is not None and not isinstance(content, str):
             raise bad(f"'{where}.content' must be a string or a list of text parts", f"{where}.content")
         for name in ("name", "tool_call_id"):
-            _optional(m, name, lambda v, p: _check_type(v, str, f"{where}.{p}", "a string"))
+            _optional_type(m, name, str, where, "a string")
         calls = m.get("tool_calls")
         if calls is not None:
             _check_type(calls, list, f"{where}.tool_calls", "a list")
             for j, c in enumerate(calls):
                 fn = _function_of(c, f"{where}.tool_calls[{j}]")
-                _optional(c, "id", lambda v, p: _check_type(v, str, f"{where}.tool_calls[{j}].id", "a string"))
+                _optional_type(c, "id", str, f"{where}.tool_calls[{j}]", "a string")
                 args = fn.get("arguments")
                 if args is not None and not isinstance(args, (str, dict)):
                     raise bad("tool call arguments must be a JSON string or an object",
@@ -187,8 +193,8 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
         _check_type(tools, list, "tools", "a list")
         for i, t in enumerate(tools):
             fn = _function_of(t, f"tools[{i}]")
-            _optional(fn, "description", lambda v, p: _check_type(v, str, f"tools[{i}].function.{p}", "a string"))
-            _optional(fn, "parameters", lambda v, p: _check_type(v, dict, f"tools[{i}].function.{p}", "an object"))
+            _optional_type(fn, "description", str, f"tools[{i}].function", "a string")
+            _optional_type(fn, "parameters", dict, f"tools[{i}].function", "an object")
     if tool_choice is None or isinstance(tool_choice, str):
         return
     if not isinstance(tool_choice, dict):

@@ -25,8 +25,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig, RopeScaling
-from jaxllm.loading.checks import check_dims, check_heads, check_positive_finite
 from jaxllm.loading.assemble import ParamAssembler, heads_bias, heads_in, heads_out, linear
+from jaxllm.loading.checks import check_dims, check_heads, check_positive_finite
 from jaxllm.params import Params
 
 _ARCH_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}

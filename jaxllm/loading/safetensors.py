@@ -18,8 +18,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig, config_from_hf
-from jaxllm.loading.checks import check_dims, check_heads, check_positive_finite
 from jaxllm.loading.assemble import ParamAssembler, heads_bias, heads_in, heads_out, linear
+from jaxllm.loading.checks import check_dims, check_heads, check_positive_finite
 from jaxllm.params import Params
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 import requests
+
 from tests.serving.launch import running_server
 
 KEY = "test-key"
@@ -171,9 +172,9 @@ MALFORMED = [  # (path, raw JSON body, the param the 400 names)
     ("/v1/completions", '{"model": "tiny", "prompt": "a\\udc00", "max_tokens": 2}', "prompt"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "stop": ["\\ud800"], "max_tokens": 2}', "stop[0]"),
     ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": %s}' % BIG, "temperature"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "logit_bias": {"5": %s}}' % BIG, "logit_bias"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "top_k": %s}' % BIG, "top_k"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": ' + BIG + "}", "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "logit_bias": {"5": ' + BIG + "}}", "logit_bias"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "top_k": ' + BIG + "}", "top_k"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": Infinity}', "temperature"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "top_p": NaN}', "top_p"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "presence_penalty": 1e400}', "presence_penalty"),
