@@ -106,6 +106,14 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     except (FileNotFoundError, ValueError) as e:
         print(f"jaxllm: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from safetensors import SafetensorError
+
+        # A damaged .safetensors file: the library's own error, one line (its message names the problem).
+        if not isinstance(e, SafetensorError):
+            raise
+        print(f"jaxllm: error: invalid safetensors file: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -276,22 +276,31 @@ class Engine:
             )
         if not self.can_admit(total):
             raise EngineFull(f"no room for {total} positions now")
-        slot = self.free_slots.pop(0)
-        pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
+        if checkpoint is not None and not 0 < cached_tokens < len(prompt):
+            raise ValueError("cached_tokens must be in (0, len(prompt))")
+        if checkpoint is not None and self.cfg.n_linear_layers and int(checkpoint.length) != cached_tokens:
+            raise ValueError(f"a recurrent state holds exactly {int(checkpoint.length)} positions, not {cached_tokens}")
+        # Everything that can fail on the host runs before the slot and pages are taken:
+        # a sequence that fails here must not hold them for good.
         seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
         row = sampling_row(params, self.cfg.vocab_size, self.eos_ids, seed)
-        self.state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
+        slot = self.free_slots.pop(0)
+        pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
+        state = self.state
+        try:
+            state = steps.set_slot(state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
+            if checkpoint is not None:
+                state = steps.insert(state, np.int32(slot), checkpoint)
+        except BaseException:
+            self.free_pages.extend(reversed(pages))
+            self.free_slots.append(slot)
+            self.free_slots.sort()
+            raise
+        self.state = state
         seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
                        constraint=constraint, stops=sorted({int(b) for b in stops if 0 < b < len(prompt)})
                        if self.cfg.n_linear_layers else [], drafting=self._draft_control(params, constraint))
         if checkpoint is not None:
-            if not 0 < cached_tokens < len(prompt):
-                self._give_back(slot, pages)
-                raise ValueError("cached_tokens must be in (0, len(prompt))")
-            if self.cfg.n_linear_layers and int(checkpoint.length) != cached_tokens:
-                self._give_back(slot, pages)
-                raise ValueError(f"a recurrent state holds exactly {int(checkpoint.length)} positions, not {cached_tokens}")
-            self.state = steps.insert(self.state, np.int32(slot), checkpoint)
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
         return seq
@@ -301,13 +310,6 @@ class Engine:
         `max_drafts`), never for constrained ones (their masks need the host per token)."""
         most = self.config.max_drafts if params.drafts is None else min(params.drafts, self.config.max_drafts)
         return DraftControl(most=most) if most > 0 and constraint is None else None
-
-    def _give_back(self, slot: int, pages: list[int]) -> None:
-        """Returns a slot and pages taken by an `add` that then failed."""
-        self.state = steps.release_slot(self.state, np.int32(slot))
-        self.free_pages.extend(pages)
-        self.free_slots.append(slot)
-        self.free_slots.sort()
 
     def can_extract(self, seq: Sequence, n_positions: int) -> bool:
         """Whether `extract(seq, n_positions)` can give exactly `prompt[:n_positions]` now.

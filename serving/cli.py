@@ -21,7 +21,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="settings TOML (default: configs/server.toml of the working directory, else of the "
                         "source tree jaxllm runs from; without either, the built-in settings, said in the log)")
     # Read at run time, not as the default: --help would print the key.
-    p.add_argument("--api-key", default=None, help="require this bearer token (default: $JAXLLM_API_KEY, else none)")
+    p.add_argument("--api-key", default=None,
+                   help="API key(s) clients must send, comma-separated (default: $JAXLLM_API_KEY, else none)")
+    p.add_argument("--api-key-file", default=None,
+                   help="a file of further API keys, one a line ('#' starts a comment); sessions belong to "
+                        "the key that made them")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model's stem)")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before /health")
     p.add_argument("--compile-cache", default=None,
@@ -33,10 +37,21 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+def api_keys_from(api_key: str | None, key_file: str | None) -> list[str]:
+    """The keys of --api-key (comma-separated) and of --api-key-file (one a line)."""
+    keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
+    if key_file:
+        for line in Path(key_file).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                keys.append(line)
+    return keys
+
+
 def serve(loader, *, model_name: str, host: str, port: int, config: str | None, api_key: str | None,
-          warmup: bool = True, profile_dir: str | None = None) -> int:
+          warmup: bool = True, profile_dir: str | None = None, api_key_file: str | None = None) -> int:
     """Runs the server until stopped; returns the exit status (1 if the worker died)."""
-    from serving.app import create_app
+    from serving.app import CappedHttpProtocol, create_app
     from serving.settings import SettingsStore, load_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -57,10 +72,10 @@ def serve(loader, *, model_name: str, host: str, port: int, config: str | None, 
         # /health already answers 503; give clients a moment to see it, then exit non-zero.
         threading.Timer(1.0, os._exit, (1,)).start()
 
-    app = create_app(store, loader=loader, model_name=model_name, api_key=api_key, warmup=warmup, on_death=on_death,
-                     profile_dir=profile_dir)
+    app = create_app(store, loader=loader, model_name=model_name, api_keys=api_keys_from(api_key, api_key_file),
+                     warmup=warmup, on_death=on_death, profile_dir=profile_dir)
     print(f"jaxllm serving {model_name} at http://{host}:{port}/v1 (health: http://{host}:{port}/health)", flush=True)
-    app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
+    app.run(host=host, port=port, single_process=True, access_log=False, motd=False, protocol=CappedHttpProtocol)
     return status["code"]
 
 
@@ -95,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(args.model).stem
     return serve(loader, model_name=name, host=args.host, port=args.port, config=args.config,
                  api_key=args.api_key or os.environ.get("JAXLLM_API_KEY"),
-                 warmup=not args.no_warmup, profile_dir=args.profile_dir)
+                 warmup=not args.no_warmup, profile_dir=args.profile_dir, api_key_file=args.api_key_file)
 
 
 def build_parser() -> argparse.ArgumentParser:

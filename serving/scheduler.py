@@ -212,9 +212,10 @@ class Scheduler:
         self.reserved = 0
         self.totals = dict(queued=0, admitted=0, finished=0, failed=0, rejected=0, cancelled=0, cancelled_queued=0,
                            prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0,
-                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0)
+                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0, host_errors=0)
         self.ready = False
         self.dead: BaseException | None = None
+        self.stuck: str | None = None  # why nothing can be admitted any more (/health turns 503)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
@@ -485,10 +486,16 @@ class Scheduler:
             a, c = entry
             if a.failed or a not in self.active or c.finished:  # c.finished: tokens past a stop string
                 continue
-            self._on_tokens(a, c, ev)
+            try:
+                self._on_tokens(a, c, ev)
+            except Exception as e:  # noqa: BLE001 - host code of one request fails that request alone
+                self._host_failed(a, e)
         for a in list(self.active):
             if not a.failed and all(c.finished for c in a.choices):
-                self._complete(a)
+                try:
+                    self._complete(a)
+                except Exception as e:  # noqa: BLE001 - e.g. sessions or usage: this request alone
+                    self._host_failed(a, e)
 
     def _checkpoint(self, seq: Any, length: int) -> None:
         if self.cache.contains(seq.prompt[:length], self.cache_options):
@@ -621,6 +628,16 @@ class Scheduler:
         self.totals["finished"] += 1
         self.metrics.count_outcome("finished")
 
+    def _host_failed(self, a: Active, e: Exception) -> None:
+        """A request's host code (text, tool calls, finish, usage, sessions) raised: the
+        request gets a 500 and its resources back; the worker and every other request go on."""
+        self.totals["host_errors"] += 1
+        log.error("serve %s: request failed in host code: %s\n%s", a.job.id, e, traceback.format_exc())
+        if not a.failed:
+            self._fail(a, f"internal error while processing the request ({type(e).__name__}: {e})"[:1000], 500)
+        elif a in self.active:
+            self._release(a)
+
     def _fail(self, a: Active, message: str, status: int = 500) -> None:
         a.failed = True
         a.job.output.add(Error(status, message))
@@ -661,8 +678,25 @@ class Scheduler:
         self.cache.expire()
         self.sessions.expire()
 
+    def _stuck_reason(self) -> str | None:
+        """Slots or pages held while no request runs: they leaked, and what leaked never comes back."""
+        if self.active or self._in_flight is not None:
+            return None
+        layout = self.engine.layout
+        held_slots = layout.max_slots - len(self.engine.free_slots)
+        held_pages = layout.n_pages - 1 - len(self.engine.free_pages)
+        if held_slots or held_pages or self.engine.seqs:
+            return (f"{held_slots} of {layout.max_slots} sequence slots and {held_pages} KV pages are held by "
+                    "no request")
+        return None
+
     def publish(self) -> None:
         """Swaps in a fresh host snapshot for /v1/state and the gauges."""
+        stuck = self._stuck_reason()
+        if stuck != self.stuck:
+            if stuck:
+                log.critical("the worker can no longer admit everything: %s", stuck)
+            self.stuck = stuck
         layout = self.engine.layout
         live = {id(s) for s in self.engine.seqs.values()}
         reserved_pages = sum(len(c.seq.pages) for a in self.active for c in a.choices if id(c.seq) in live)
@@ -685,6 +719,7 @@ class Scheduler:
         m.state = {
             "ready": self.ready,
             "dead": None if self.dead is None else str(self.dead),
+            "stuck": self.stuck,
             "settings_generation": self.settings.current.generation,
             "queued_requests": len(self.pending) + self.inbox.qsize(),
             "active_requests": len(self.active),

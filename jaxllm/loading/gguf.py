@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig, RopeScaling
 from jaxllm.loading.assemble import ParamAssembler, heads_bias, heads_in, heads_out, linear
+from jaxllm.loading.checks import check_dims, check_heads, check_positive_finite
 from jaxllm.params import Params
 
 _ARCH_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
@@ -132,6 +133,9 @@ def gguf_config(reader: gguf.GGUFReader, *, dtype: str = "float32", scan_layers:
             return default
         return v
 
+    src = "GGUF metadata"
+    check_dims(src, width=(f"{arch}.embedding_length", meta("embedding_length")),
+               heads=(f"{arch}.attention.head_count", meta("attention.head_count")))
     if arch in _HYBRID_ARCHS:
         from jaxllm.loading.gguf_hybrid import hybrid_gguf_config
 
@@ -140,11 +144,23 @@ def gguf_config(reader: gguf.GGUFReader, *, dtype: str = "float32", scan_layers:
     d_model = int(meta("embedding_length"))
     n_heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", d_model // n_heads))
+    n_layers = meta("block_count")
+    check_dims(src, head_dim=(f"{arch}.attention.key_length", head_dim), layers=(f"{arch}.block_count", n_layers),
+               kv_heads=(f"{arch}.attention.head_count_kv", meta("attention.head_count_kv", n_heads)),
+               ffn=(f"{arch}.feed_forward_length", meta("feed_forward_length", 0)),
+               context=(f"{arch}.context_length", meta("context_length", 4096)))
+    check_heads(src, n_heads, int(meta("attention.head_count_kv", n_heads)))
+    blocks = {int(m[1]) for t in names if (m := re.match(r"blk\.(\d+)\.", t))}
+    if blocks and len(blocks) != int(n_layers):
+        raise ValueError(f"{src}: {arch}.block_count = {n_layers} but the file has tensors for {len(blocks)} blocks")
+    for key, default in (("attention.layer_norm_rms_epsilon", 1e-6), ("rope.freq_base", 10000.0)):
+        check_positive_finite(src, f"{arch}.{key}", _f32(meta(key, default)))
     tokens = reader.get_field("tokenizer.ggml.tokens")
     if "token_embd.weight" not in names:
         raise ValueError("GGUF file has no token_embd.weight tensor")
     # ne[1] of the embedding is authoritative; the token list can be padded differently.
     vocab = int(names["token_embd.weight"].shape[1])
+    check_dims(src, vocab=("token_embd.weight rows", vocab))
     if tokens is not None and len(tokens.data) != vocab:
         warnings.warn(f"GGUF token list has {len(tokens.data)} entries, embedding has {vocab} rows", stacklevel=3)
     theta = _f32(meta("rope.freq_base", 10000.0))
