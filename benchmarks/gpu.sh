@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark plan in one script (an H200 with JAX 0.11 + CUDA plugin, no network).
 # Usage (repo root, with the wheels of the packages the machine lacks in .whl/):
-#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|unroll|decode|kv8] [OUT_DIR]
+#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|decode|kv8|moe|moe_engine] [OUT_DIR]
 # Installs the project without touching the machine's jax (--no-deps --no-index), then runs
 # the engine cases (benchmarks/gpu_engine.py) and/or the server cases (jaxllm bench-serve
 # against `jaxllm serve --load-format dummy`), printing one table each.
@@ -21,19 +21,6 @@ fi
 
 if [[ $what == serve || $what == all ]]; then
   bash benchmarks/gpu_serve.sh "$out"
-fi
-
-# Unrolled decode loops (EngineConfig.decode_unroll) against batch-1 decode, both shapes:
-# does the per-iteration cost of the multi-step call's loop go away without the loop?
-if [[ $what == unroll ]]; then
-  for u in ${UNROLL_135M:-1 4 16}; do
-    python3 benchmarks/gpu_engine.py --config configs/smollm2-135m.json --dtype float32 --cases a_steps --steps 16 \
-      --unroll-steps $u 2>&1 | grep -E "^A |Error|error:" | sed 's/^/135M f32 /'
-  done
-  for u in ${UNROLL_8B:-1 2 8}; do
-    /usr/bin/time -f "8B unroll $u: process %e s" python3 benchmarks/gpu_engine.py --config configs/llama3-8b.json \
-      --cases a_steps --steps 8 --unroll-steps $u 2>&1 | grep -E "^A |Error|error:|process" | sed 's/^/8B bf16 /'
-  done
 fi
 
 # The 8-bit K/V cache: the decode kernel's checks and bandwidth with every pool type (the
@@ -70,16 +57,12 @@ if [[ $what == flags ]]; then
 fi
 
 # The batch-1 decode step's kernels: the Pallas kernels against their oracles at real shapes,
-# the one-token Pallas chain against XLA's path (benchmarks/chain_check.py), the 8B step under
-# each XLA flag set of DECODE_FLAG_SETS ('|'-separated; the first, empty, is XLA's defaults;
-# DECODE_8B_CASES=a_steps,amv adds the chain's step time), the 135M step with and without the
-# add + RMSNorm kernel, and where an 8B step's time goes.
+# the 8B step under each XLA flag set of DECODE_FLAG_SETS ('|'-separated; the first, empty, is
+# XLA's defaults), the 135M step with and without the add + RMSNorm kernel, and where an 8B
+# step's time goes.
 if [[ $what == decode ]]; then
   [[ ${KERNEL_CHECKS:-1} == 1 ]] && timeout 150 python3 benchmarks/paged_decode_check.py --no-layer-loop 2>&1 | grep -v "^W0\|^I0"
   [[ -n ${NORM_CHECK:-} ]] && timeout 60 python3 benchmarks/norm_check.py 2>&1 | grep -v "^W0\|^I0"
-  # The one-token Pallas chain (decode_matmul=pallas) against XLA's path in the engine.
-  timeout 120 python3 benchmarks/chain_check.py --config configs/llama3-8b.json --layers 4 2>&1 | tail -2
-  timeout 60 python3 benchmarks/chain_check.py --config configs/smollm2-135m.json --layers 30 2>&1 | tail -2
   IFS='|' read -ra sets <<< "${DECODE_FLAG_SETS:-}"
   [[ ${#sets[@]} == 0 ]] && sets=("")
   for flags in "${sets[@]}"; do
@@ -90,9 +73,25 @@ if [[ $what == decode ]]; then
     timeout 60 python3 benchmarks/gpu_engine.py --config configs/smollm2-135m.json --dtype $dt --cases ${DECODE_135M_CASES:-a_steps,anorm} --steps 16 2>&1 \
       | grep -E "^A |Error|error:" | sed "s/^/135M $dt /"
   done
-  for mm in ${PROFILE_MATMULS:-auto}; do  # PROFILE_MATMULS="auto pallas" also profiles the chain
-    timeout 90 python3 benchmarks/profile_step.py --config configs/llama3-8b.json --dtype bfloat16 --steps 8 --calls 2 --top 25 \
-      --decode-matmul $mm --out "$out/profile-8b-$mm" 2>&1 | grep -v "^W0\|^I0"
-  done
+  timeout 90 python3 benchmarks/profile_step.py --config configs/llama3-8b.json --dtype bfloat16 --steps 8 --calls 2 --top 25 \
+    --out "$out/profile-8b" 2>&1 | grep -v "^W0\|^I0"
   rm -rf "$out"/profile-*/raw
+fi
+
+# The MoE layer (issue 18): kernels against a float32 reference at real shapes, per-layer time
+# by round width for each implementation, a one-knob-at-a-time sweep of the kernels' tiles
+# (MOE_SWEEP, 'variant:tokens' list), both MoE shapes (benchmarks/moe_check.py).
+if [[ $what == moe ]]; then
+  timeout ${MOE_CHECK_S:-330} python3 benchmarks/moe_check.py --shapes qwen3-30b-a3b --out "$out/moe-30b.json" \
+    --sweep "${MOE_SWEEP:-pairs:1,grouped16:16,grouped16:64}" ${MOE_ARGS:-} 2>&1 | grep -v "^W0\|^I0\|^E0"
+  timeout ${MOE_CHECK35_S:-180} python3 benchmarks/moe_check.py --shapes qwen3.5-35b-a3b --out "$out/moe-35b.json" \
+    ${MOE35_ARGS:-} 2>&1 | grep -v "^W0\|^I0\|^E0"
+fi
+
+# Qwen3-30B-A3B in the engine: batch-1 decode, then 16 and 64 concurrent sequences at the mean
+# context of 1k-in/1k-out requests (1536); XLA's rematerialization warnings are printed.
+if [[ $what == moe_engine ]]; then
+  timeout ${MOE_ENGINE_S:-560} python3 benchmarks/gpu_engine.py --config configs/qwen3-30b-a3b.json --cases ${MOE_ENGINE_CASES:-a_steps,c} \
+    --c-slots ${MOE_SLOTS:-16,64} --c-context 1536 --out "$out/engine-30b.json" 2>&1 | tee "$out/engine-30b.log" \
+    | grep -E "^A |^C |rematerial|Can't reduce|Error|error:"
 fi

@@ -73,11 +73,11 @@ def kernel_parity() -> dict[str, float]:
     return {"cudnn_vs_reference_rel_err": float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))}
 
 
-def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int, unroll: int = 1) -> Engine:
+def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
     pages = slots * (-(-max_seq_len // 16) + 1) + 4
     config = EngineConfig(
         max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16), max_seq_len=max_seq_len,
-        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps, decode_unroll=min(unroll, steps),
+        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps,
     )
     return Engine(cfg, params, eos_ids=[], config=config)
 
@@ -112,13 +112,13 @@ def decode_seconds_per_call(engine: Engine, calls: int = 5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/llama3-8b.json")
-    ap.add_argument("--cases", default="ceil,parity,a,aref,a_unfused,amv,b,c")
+    ap.add_argument("--cases", default="ceil,parity,a,aref,a_unfused,b,c")
     ap.add_argument("--scan", action="store_true", help="lax.scan over layers instead of unrolled")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--unroll-steps", type=int, default=1, help="EngineConfig.decode_unroll of the batch-1 cases")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
     ap.add_argument("--kv-dtype", default="auto", help="ModelConfig.kv_dtype of every case (float8_e4m3fn: an 8-bit cache)")
+    ap.add_argument("--c-slots", default="64", help="case C's concurrent sequences, comma-separated (e.g. 16,64)")
     ap.add_argument("--c-context", type=int, default=CTX,
                     help="prompt length of case C (1536: the mean context of 64 x 1k-in/1k-out requests)")
     args = ap.parse_args()
@@ -145,14 +145,13 @@ def main() -> None:
     runs = [(steps, "auto", "xla", True, "auto", "auto") for steps in sorted({1, args.steps})] if "a" in cases else []
     runs += [(args.steps, "auto", "xla", True, "auto", "auto")] if "a_steps" in cases else []  # "a" without the 1-step call
     runs += [(args.steps, "reference", "xla", True, "auto", "auto")] if "aref" in cases else []  # before the Pallas decode kernel
-    runs += [(args.steps, "auto", "pallas", True, "auto", "auto")] if "amv" in cases else []  # the matvec kernel's projections
     runs += [(args.steps, "auto", "xla", False, "auto", "auto")] if "a_unfused" in cases else []  # one matmul per projection
     runs += [(args.steps, "auto", "xla", True, "xla", "auto")] if "anorm" in cases else []  # XLA's norms, not the kernel's
     runs += [(args.steps, "auto", "xla", True, "auto", "cond")] if "acond" in cases else []  # the sampler's lax.conds
     for steps, attention, matmul, fused, norm, branches in runs:
         run_params = params if fused else unfuse_projections(params)
         run_cfg = cfg.replace(decode_attention=attention, decode_matmul=matmul, decode_norm=norm, sampler_branches=branches)
-        eng = engine_for(run_cfg, run_params, slots=1, max_seq_len=2048, chunk=1024, steps=steps, unroll=args.unroll_steps)
+        eng = engine_for(run_cfg, run_params, slots=1, max_seq_len=2048, chunk=1024, steps=steps)
         t = time.perf_counter()
         prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
         first = time.perf_counter() - t
@@ -163,13 +162,12 @@ def main() -> None:
         tag += "" if fused else "_unfused"
         tag += "" if norm == "auto" else f"_norm_{norm}"
         tag += "" if branches == "auto" else f"_sampler_{branches}"
-        tag += f"_unroll{eng.config.decode_unroll}" if eng.config.decode_unroll > 1 else ""
         results[f"a_decode_ms_b1_ctx1k_{tag}"] = step_s * 1e3
         results[f"a_mbu_{tag}"] = bytes_step / step_s / 4.3e12
         results[f"a_first_prefill_incl_compile_s_{tag}"] = first
         print(f"A {tag}: {step_s*1e3:.2f} ms/token, "
               f"MBU {bytes_step/step_s/4.3e12:.0%} of 4.3 TB/s", flush=True)
-        del eng
+        eng = None  # free the engine before the next case
 
     if "b" in cases:
         eng = engine_for(cfg, params, slots=1, max_seq_len=2048 + 64, chunk=2048, steps=1)
@@ -186,23 +184,26 @@ def main() -> None:
         results["b_prefill_2k_ms"] = s * 1e3
         results["b_mfu"] = flops / s / 790e12
         print(f"B prefill 2k: {s*1e3:.1f} ms, MFU {flops/s/790e12:.0%} of 790 TFLOP/s", flush=True)
-        del eng
+        eng = None  # free the engine before the next case
 
-    if "c" in cases:
-        eng = engine_for(cfg, params, slots=64, max_seq_len=2048 + 64, chunk=1024, steps=args.steps)
+    for slots in [int(n) for n in args.c_slots.split(",")] if "c" in cases else []:
+        eng = engine_for(cfg, params, slots=slots, max_seq_len=2048 + 64, chunk=1024, steps=args.steps)
         ctx = args.c_context
-        prompts = [rng.integers(0, cfg.vocab_size, ctx).tolist() for _ in range(64)]
+        sfx = "" if slots == 64 else f"_{slots}"
+        prompts = [rng.integers(0, cfg.vocab_size, ctx).tolist() for _ in range(slots)]
         t = time.perf_counter()
         prefill(eng, prompts, max_tokens=2048 + 64 - ctx)
-        results["c_prefill_64x1k_s"] = time.perf_counter() - t
+        results[f"c_prefill_{slots}x1k_s"] = prefill_s = time.perf_counter() - t
         per_call = decode_seconds_per_call(eng, calls=3)
-        tok_s = 64 * args.steps / per_call
+        tok_s = slots * args.steps / per_call
         step_s = per_call / args.steps
         # Mean context over the timed calls: the prompt plus the ~(1 + 5 * 3) calls' steps so far.
-        mbu = costs.decode_step_bytes(64 * (ctx + 8 * args.steps)) / step_s / 4.3e12
-        results.update(c_decode_tok_s_64x1k=tok_s, c_step_ms=step_s * 1e3, c_mbu=mbu, c_context=ctx)
-        print(f"C 64 concurrent at {ctx} ctx: {tok_s:.0f} output tok/s (decode only), {step_s * 1e3:.2f} ms/step, "
-              f"MBU {mbu:.0%}; prefill of 64 prompts took {results['c_prefill_64x1k_s']:.1f}s incl. compile", flush=True)
+        mbu = costs.decode_step_bytes(slots * (ctx + 8 * args.steps)) / step_s / 4.3e12
+        results.update({f"c_decode_tok_s_{slots}x1k": tok_s, f"c_step_ms{sfx}": step_s * 1e3, f"c_mbu{sfx}": mbu,
+                        "c_context": ctx})
+        print(f"C {slots} concurrent at {ctx} ctx: {tok_s:.0f} output tok/s (decode only), {step_s * 1e3:.2f} ms/step, "
+              f"MBU {mbu:.0%}; prefill of {slots} prompts took {prefill_s:.1f}s incl. compile", flush=True)
+        eng = None  # free the engine before the next case
 
     print(json.dumps(results, indent=1))
     if args.out:

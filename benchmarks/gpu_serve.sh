@@ -23,14 +23,14 @@ stop() { kill "$(cat /tmp/jaxllm-serve.pid)" 2>/dev/null; wait "$(cat /tmp/jaxll
 bench() {  # label, bench-serve args...
   local label=$1; shift
   echo "== $label"
-  python3 -m serving.cli bench-serve --port $port --server-pid "$(cat /tmp/jaxllm-serve.pid)" --json "$out/$label.json" "$@" 2>&1 | tail -25
+  python3 -m benchmarks.bench_serve --port $port --server-pid "$(cat /tmp/jaxllm-serve.pid)" --json "$out/$label.json" "$@" 2>&1 | tail -25
 }
 
 cases=${SERVE_CASES:-8b,135m}  # which servers to run
 
 if [[ $cases == *8b* ]]; then
 serve_and_bench llama3-8b --load-format dummy --model configs/llama3-8b.json --dtype bfloat16 --unroll-layers \
-  --config configs/gpu-llama3-8b.toml ${SERVE_8B_ARGS:-} || exit 1   # e.g. SERVE_8B_ARGS="--decode-matmul pallas"
+  --config configs/gpu-llama3-8b.toml ${SERVE_8B_ARGS:-} || exit 1   # e.g. SERVE_8B_ARGS="--kv-cache-dtype fp8"
 bench 8b-single-1k --vocab-size 128256 --input-len 1000 --output-len 128 --concurrency 1 --num-prompts 4
 bench 8b-prefill-2k --vocab-size 128256 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts 4
 bench 8b-64x1k --vocab-size 128256 --input-len 1024 --output-len 1024 --concurrency 64 --num-prompts 128

@@ -215,7 +215,6 @@ def _layer_loop_table(*, interpret: bool, reps: int, small: bool) -> None:
 
         seconds = _median_seconds(lambda: run(q, k_stack, v_stack, small_args), reps)
         print(f"  {name:24s} {seconds / L * 1e3:8.4f}")
-    del k_stack, v_stack
 
 
 def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float, wide: bool = False) -> None:
@@ -224,7 +223,7 @@ def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float, wi
     blocks, deeper pipelines), in the "hsw" order only."""
     print("\nsweep: fastest settings per case (kernel ms)")
     settings = [
-        dict(pages_per_block=ppb, n_splits=s, num_warps=nw, num_stages=st, grid_order=order)
+        dict(_pages_per_block=ppb, _n_splits=s, _num_warps=nw, _num_stages=st, _grid_order=order)
         for order in ("hsw", "whs")
         for ppb in (4, 8, 2)
         for s in (None, 1, 4)
@@ -233,7 +232,7 @@ def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float, wi
     ]
     if wide:  # the defaults first: the line to beat
         settings = [dict()] + [
-            dict(pages_per_block=ppb, n_splits=s, num_warps=nw, num_stages=st, grid_order="hsw")
+            dict(_pages_per_block=ppb, _n_splits=s, _num_warps=nw, _num_stages=st, _grid_order="hsw")
             for s in (1, 2, 4, 8)
             for ppb in (4, 8, 16)
             for st in (2, 3, 4)

@@ -4,7 +4,7 @@ Times, on the engine at the 8B shape: a prompt round collected alone, and the sa
 collected after a decode call was launched behind it. If collect waits for the round behind
 it, the second time is the first plus a decode call; if a launch returns only once the device
 has (nearly) run it, "launches returned" is about the rounds' time. On an H200 (2026-12-03,
-docs/benchmarks.md) both held: 28.9 ms alone, 69.5 ms with a decode call behind; starting the
+docs/lab/2026-12.md) both held: 28.9 ms alone, 69.5 ms with a decode call behind; starting the
 host copy at launch changed nothing, so the scheduler collects prompt-completing rounds first.
 
     python benchmarks/pipeline_check.py --config configs/llama3-8b.json

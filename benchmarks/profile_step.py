@@ -58,8 +58,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=4, help="traced decode calls")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default="/tmp/jaxllm-profile")
-    ap.add_argument("--decode-matmul", default="auto", choices=["auto", "xla", "pallas"],
-                    help="pallas: the matvec kernel's projections (the one-token Pallas chain)")
+    ap.add_argument("--decode-matmul", default="auto", choices=["auto", "xla"])
     ap.add_argument("--sampler-branches", default="auto", choices=["auto", "cond", "select"])
     args = ap.parse_args()
 

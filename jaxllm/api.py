@@ -20,6 +20,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading import load_model
 from jaxllm.model.forward import lm_head
+from jaxllm.model.kernel_choice import debug_overrides
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import StateLayout, page_row
@@ -158,17 +159,16 @@ def load(
     dtype: str = "float32",
     scan_layers: bool = True,
     config_path: str | None = None,
-    decode_attention: str = "auto",
-    decode_matmul: str = "auto",
     kv_dtype: str = "auto",
 ) -> Model:
     """Loads a model by name ("smollm2"), path (.gguf, HF directory, orbax directory) or preset.
 
-    `scan_layers`, `decode_attention`, `decode_matmul` and `kv_dtype` are runtime choices
-    stored on the config (see `ModelConfig`).
+    `scan_layers` and `kv_dtype` are runtime choices stored on the config (see `ModelConfig`);
+    so are the kernel choices, which only the debug hook `$JAXLLM_DEBUG_KERNELS` overrides
+    (`kernel_choice.debug_overrides`).
     """
     cfg, params = load_model(model, fmt=load_format, dtype=dtype, scan_layers=scan_layers, config_path=config_path)
-    cfg = cfg.replace(decode_attention=decode_attention, decode_matmul=decode_matmul, kv_dtype=kv_dtype)
+    cfg = cfg.replace(kv_dtype=kv_dtype, **debug_overrides())
     return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(model, load_format, cfg))
 
 

@@ -11,6 +11,7 @@ import bisect
 import dataclasses
 import functools
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
@@ -107,10 +108,53 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Bounds on one render of an untrusted template: lines of template code run (nested loops
+# otherwise spin for hours) and characters produced. A real template over a long conversation
+# runs a few thousand lines; its output is the conversation plus markup.
+MAX_TEMPLATE_STEPS = 2_000_000
+MAX_TEMPLATE_OUTPUT = 16 << 20
+_MAX_REPEAT = 1 << 20  # items of `"x" * n` / `[x] * n` in a template
+_MAX_EXPONENT = 256  # `a ** b`: Python computes huge powers for as long as it takes
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with sequence repetition and powers bounded."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > _MAX_REPEAT:
+                    raise ChatTemplateError(f"the chat template repeats a sequence past {_MAX_REPEAT} items")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > _MAX_EXPONENT:
+            raise ChatTemplateError(f"the chat template raises to a power past {_MAX_EXPONENT}")
+        return super().call_binop(context, operator, left, right)
+
+
+class _StepBudget:
+    """A trace function counting the lines run in template code (Jinja compiles templates to
+    Python functions of the file "<template>"); past the budget the line raises."""
+
+    def __init__(self, steps: int):
+        self.left = steps
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        # Global tracer: only template frames get the line counter (other code runs untraced).
+        return self._line if frame.f_code.co_filename == "<template>" else None
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.left -= 1
+            if self.left < 0:
+                raise ChatTemplateError(f"the chat template ran more than {MAX_TEMPLATE_STEPS} steps")
+        return self._line
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     # Cached: a server renders the same template for every request.
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -142,17 +186,29 @@ def _render_text(
     add_generation_prompt: bool,
     special: dict[str, Any],
 ) -> str:
+    previous = sys.gettrace()
+    sys.settrace(_StepBudget(MAX_TEMPLATE_STEPS))
     try:
-        return template.render(
+        parts, size = [], 0
+        for part in template.generate(
             messages=messages,
             tools=None if tools is None else list(tools),
             add_generation_prompt=add_generation_prompt,
             **special,
-        )
+        ):
+            size += len(part)
+            if size > MAX_TEMPLATE_OUTPUT:
+                raise ChatTemplateError(f"the chat template wrote more than {MAX_TEMPLATE_OUTPUT} characters")
+            parts.append(part)
+        return "".join(parts)
+    except ChatTemplateError:
+        raise
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(str(e)) from e
-    except (TypeError, KeyError, AttributeError, IndexError) as e:
+    except Exception as e:  # the template is untrusted: 1/0, recursion, ... are its failures
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.settrace(previous)
 
 
 def render_chat(
@@ -174,7 +230,8 @@ def render_chat(
         as `enable_thinking`.
 
     Returns:
-      The text and the character offset where each message ends.
+      The text and the character offset where each message ends (at most
+      MAX_PREFIX_RENDERS of them: the first and last messages of a long conversation).
 
     Raises:
       ChatTemplateError: the template called `raise_exception` or failed to render.
@@ -183,9 +240,10 @@ def render_chat(
     msgs = _normalize(messages)
     text = _render_text(compiled, msgs, tools, add_generation_prompt, special)
     ends: list[int] = []
-    # Render each prefix of the conversation (no generation prompt) and keep its length
-    # when it is a string prefix of the full render: that is where the message ends.
-    for i in range(1, len(msgs) + 1):
+    # Render some prefixes of the conversation (no generation prompt) and keep each length
+    # that is a string prefix of the full render: that is where the message ends. Only
+    # MAX_PREFIX_RENDERS of them: every prefix would cost the square of the conversation.
+    for i in _prefixes_to_render(len(msgs)):
         try:
             partial = _render_text(compiled, msgs[:i], tools, False, special)
         except ChatTemplateError:
@@ -194,6 +252,19 @@ def render_chat(
         if text.startswith(partial) and (not ends or end > ends[-1]):
             ends.append(end)
     return RenderedChat(text=text, message_ends=ends)
+
+
+# Prefix renders per conversation: the first few messages (a shared system prompt) and the
+# last few (the previous turns of this conversation) are where prefix-cache hits come from.
+MAX_PREFIX_RENDERS = 8
+
+
+def _prefixes_to_render(n: int) -> list[int]:
+    """Prefix lengths (in messages) whose ends `render_chat` finds, ascending."""
+    if n <= MAX_PREFIX_RENDERS:
+        return list(range(1, n + 1))
+    head = MAX_PREFIX_RENDERS // 2
+    return list(range(1, head + 1)) + list(range(n - (MAX_PREFIX_RENDERS - head) + 1, n + 1))
 
 
 def _char_to_token_boundary(offsets: Sequence[tuple[int, int]], char: int) -> int | None:

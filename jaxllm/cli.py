@@ -1,8 +1,9 @@
-"""`jaxllm generate` (and the runtime's other subcommands); the `serving` package adds `serve`."""
+"""`jaxllm generate`; the `serving` package adds `serve`. Benchmarks live in `benchmarks/`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
@@ -11,17 +12,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from jaxllm.api import Model
 
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter  # --help shows every option's default
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxllm")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file, an HF or orbax directory, or a configs/*.json preset with --load-format dummy")
-    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "orbax", "dummy"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file, an HF or orbax directory, or a configs/*.json preset with --load-format dummy")
+    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "orbax", "dummy"],
+                   help="weights' format (auto: from the path); dummy = random weights at the preset's shapes")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute and weight dtype")
     p.add_argument("--unroll-layers", action="store_true", help="unrolled layers (faster on GPU, slower compile)")
-    p.add_argument("--decode-attention", default="auto", choices=["auto", "reference"],
-                   help="decode attention: auto = paged kernel (Pallas on GPU, C++ on CPU), reference = plain jnp everywhere")
-    p.add_argument("--decode-matmul", default="auto", choices=["auto", "xla", "pallas"],
-                   help="decode projections: auto = C++ kernels on CPU (float32), XLA's dot on GPU; "
-                        "xla = XLA's dot everywhere; pallas = the Pallas matvec kernel on GPU")
     p.add_argument("--kv-cache-dtype", default="auto", type=_kv_dtype, metavar="{auto,fp8}",
                    help="K/V cache element type: auto = the model's dtype; fp8 (float8_e4m3fn) halves a bfloat16 "
                         "cache's bytes and decode reads; the rounding changes outputs (docs/benchmarks.md)")
@@ -32,8 +38,7 @@ def load_from_args(args: argparse.Namespace) -> Model:
     from jaxllm.api import load
 
     return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
-                decode_attention=args.decode_attention,
-                decode_matmul=args.decode_matmul, kv_dtype=args.kv_cache_dtype)
+                kv_dtype=args.kv_cache_dtype)
 
 
 def _kv_dtype(name: str) -> str:
@@ -45,15 +50,15 @@ def _kv_dtype(name: str) -> str:
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p = sub.add_parser("generate", help="generate a completion for one prompt", formatter_class=HELP_FORMAT)
     add_model_args(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="render the prompt as one user message with the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_generate)
 
@@ -86,12 +91,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxllm", description="JAX LLM runtime")
+    parser = argparse.ArgumentParser(prog="jaxllm", description="JAX LLM runtime", formatter_class=HELP_FORMAT)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
-    from jaxllm.bench import add_bench_parser
-
-    add_bench_parser(sub)
     return parser
 
 
@@ -102,6 +105,14 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"jaxllm: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from safetensors import SafetensorError
+
+        # A damaged .safetensors file: the library's own error, one line (its message names the problem).
+        if not isinstance(e, SafetensorError):
+            raise
+        print(f"jaxllm: error: invalid safetensors file: {e}", file=sys.stderr)
         return 2
 
 

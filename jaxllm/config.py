@@ -80,16 +80,8 @@ class ModelConfig:
     decode_attention: str = "auto"
     # Projections (and the lm_head) of decode rounds: "auto" runs the C++ kernels on the CPU
     # for float32 rounds of up to 8 rows (jaxllm.model.matvec_cpu; XLA's CPU dot streamed
-    # the weights ~20% slower) and XLA's dot elsewhere; "xla" always XLA's; "pallas" runs the
-    # hand-written Pallas matvec (jaxllm.model.matvec) for one-row rounds where it compiles
-    # (GPU), on unrolled dense layers as a chain of Pallas kernels passing split partials
-    # (jaxllm.model.decode_chain); "interpret" runs those kernels in the Pallas interpreter
-    # (CPU tests of the wiring).
-    # On the GPU "auto" is XLA's because in the 8B step on an H200 the Pallas kernel measured
-    # slower (5.18 vs 4.79 ms per token) although alone its chain beat XLA's (4.37 vs 4.66 ms);
-    # the one-token chain measured 6.61-6.90 ms against 4.61-4.74 (its down product, fed the
-    # gate|up partials through SwiGLU, took 84 us per layer against XLA's 29; its add + RMSNorm
-    # kernels summing 14-16 split partials in one program, 8-9 us each: docs/benchmarks.md).
+    # the weights slower) and XLA's dot elsewhere; "xla" always XLA's. A Pallas matvec on the
+    # GPU lost to XLA's dot inside the step and was retired (docs/lab/2026-12.md).
     decode_matmul: str = "auto"
     # Residual add + RMSNorm of rounds of up to 64 tokens: "auto" runs the Pallas kernel
     # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
@@ -114,8 +106,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.decode_attention not in ("auto", "reference", "interpret"):
             raise ValueError(f"decode_attention must be auto, reference or interpret, got {self.decode_attention!r}")
-        if self.decode_matmul not in ("auto", "xla", "pallas", "interpret"):
-            raise ValueError(f"decode_matmul must be auto, xla, pallas or interpret, got {self.decode_matmul!r}")
+        if self.decode_matmul not in ("auto", "xla"):
+            raise ValueError(f"decode_matmul must be auto or xla, got {self.decode_matmul!r}")
         if self.decode_norm not in ("auto", "xla", "interpret"):
             raise ValueError(f"decode_norm must be auto, xla or interpret, got {self.decode_norm!r}")
         if self.sampler_branches not in ("auto", "cond", "select"):
@@ -201,8 +193,10 @@ class ModelConfig:
     def param_count(self) -> int:
         gate = self.n_heads if self.is_hybrid else 0  # gated attention's output gate
         attn = self.d_model * self.head_dim * (2 * self.n_heads + gate + 2 * self.n_kv_heads)
+        attn += 2 * self.head_dim if self.qk_norm else 0
         Hv, Dv = self.linear_n_v_heads, self.linear_v_dim
         linear = self.d_model * (self.conv_dim + Hv * Dv + 2 * Hv) + Hv * Dv * self.d_model
+        linear += self.conv_dim * self.conv_kernel + 2 * Hv + Dv  # conv, dt_bias, A_log, gated-norm scale
         if self.is_moe:
             mlp = self.n_experts * 3 * self.d_model * self.moe_ffn_dim + self.d_model * self.n_experts
             mlp += 3 * self.d_model * self.shared_expert_ffn_dim + (self.d_model if self.shared_expert_ffn_dim else 0)

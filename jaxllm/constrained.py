@@ -90,7 +90,9 @@ def tool_call_grammar(tools: Mapping[str, Mapping[str, Any]], names: Iterable[st
         raise GrammarError("no tool to call")
     rules = []
     for i, name in enumerate(names):
-        params = dict(tools[name]) if tools.get(name) else {"type": "object"}
+        # The schema sits at /properties/arguments of the call object: its local $refs
+        # ("#/$defs/X", "#") are written against its own root, so they are rebased there.
+        params = _rebase_refs(dict(tools[name]), "#/properties/arguments") if tools.get(name) else {"type": "object"}
         call = {
             "type": "object",
             "properties": {"name": {"const": name}, "arguments": params},
@@ -102,6 +104,23 @@ def tool_call_grammar(tools: Mapping[str, Mapping[str, Any]], names: Iterable[st
     alternatives = " | ".join(f"call{i}" for i in range(len(names)))
     lark = "\n".join(['start: "<tool_call>\\n" call "\\n</tool_call>"', f"call: {alternatives}", *rules])
     return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of a schema with each local `$ref` ("#..." ) moved under the pointer `base`."""
+    if isinstance(node, Mapping):
+        return {
+            k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+            else v if k in _DATA_KEYWORDS else _rebase_refs(v, base)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
 
 
 def compile_grammar(adapter: TokenizerAdapter, source: str, kind: str) -> Grammar:

@@ -2,7 +2,7 @@
 
 These are the numerators of MBU (model bandwidth utilisation: bytes a step must read / step
 time / peak bandwidth) and MFU (FLOPs / time / peak FLOP/s), shared by the engine benchmark
-and the server (which publishes them in /v1/state for `jaxllm bench-serve`).
+and the server (which publishes them in /v1/state for `benchmarks/bench_serve.py`).
 """
 
 from __future__ import annotations

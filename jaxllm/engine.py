@@ -29,6 +29,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.model.kernel_choice import plain_sampler_pays
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingParams, needs_full_sampler, sampling_row, seed_to_u32
+from jaxllm.speculative import DraftControl, prompt_lookup
 from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row, pages_bucket
 
 
@@ -43,16 +44,10 @@ class EngineConfig:
     max_seq_len: int = 2048
     page_size: int = 16
     # Padding to the bucket is compute thrown away (a CPU prefill is compute-bound): each bucket
-    # at most doubles the one below. A 256 bucket took 8 x 256-token prompts + 128 tokens each
-    # from 49 to 66 tok/s end to end on the 2-core CPU (docs/benchmarks.md).
+    # at most doubles the one below (the 256 bucket's gain: docs/lab/2026-12.md).
     chunk_buckets: tuple[int, ...] = (32, 128, 256, 512)
     min_ctx_pages: int = 8
     decode_steps_per_call: int = 4
-    # Decode steps laid out straight per loop iteration of a multi-step call (1 = a loop of
-    # single steps; decode_steps_per_call = no loop). Unrolling compiles longer and measured
-    # slower on an H200 (8B: 5.15 ms/token as a loop, 5.57 two per iteration, 6.91 with no
-    # loop; docs/benchmarks.md), so 1 stays the default; kept for such A/B runs.
-    decode_unroll: int = 1
     # Widths of a round's decode part (slots [0, width) ); rounds use the smallest that
     # covers every decoding slot, so a lone request does not pay for idle slots. Each width
     # multiplies the compiled variants; () means just max_slots.
@@ -81,11 +76,16 @@ class EngineConfig:
     # The user functions requests may name as `SamplingParams.logits_processor` (traced into
     # the rounds, so fixed per engine); needs extra_samplers.
     logits_processors: tuple[Callable, ...] = ()
+    # Speculative decoding: drafts verified per decoding sequence and round (0 = off). Each
+    # round then feeds up to this many + 1 tokens per sequence (`jaxllm.steps.verify`).
+    max_drafts: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "page_size", "decode_steps_per_call", "decode_unroll", "chunk_segments"):
+        for name in ("max_slots", "page_size", "decode_steps_per_call", "chunk_segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_drafts <= 16:
+            raise ValueError(f"max_drafts must be in [0, 16], got {self.max_drafts}")
         if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)) or self.chunk_buckets[0] < 1:
             raise ValueError(f"chunk_buckets must be positive and ascending, got {list(self.chunk_buckets)}")
 
@@ -118,6 +118,9 @@ class Sequence:
     # Prompt positions where a prompt chunk must end: a recurrent state exists only where a
     # round stopped, so prefix-cache checkpoints of hybrid models are taken there.
     stops: list[int] = dataclasses.field(default_factory=list)
+    drafting: DraftControl | None = None  # None: this sequence does not draft
+    verifying: int = 0  # tokens an in-flight verification round may emit (collect settles it)
+    mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the head's drafts for the next round
 
     @property
     def position_bound(self) -> int:
@@ -133,7 +136,7 @@ class Sequence:
         """A constrained sequence whose drawn tokens are not all collected: its next mask
         needs them, so it sits out rounds launched before that collect."""
         drawn = self.dispatched + 1  # the first token comes with the last prompt chunk
-        return self.constraint is not None and len(self.generated) < drawn
+        return (self.constraint is not None and len(self.generated) < drawn) or self.verifying > 0
 
     @property
     def fully_dispatched(self) -> bool:
@@ -185,13 +188,39 @@ class Round:
     seqs: dict[int, Sequence]  # slot -> sequence as of dispatch
     multi: bool
     prefill_tokens: int
+    drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # slot -> drafts verified
+
+
+@dataclasses.dataclass
+class DraftStats:
+    """Speculative decoding since start: drafts verified and accepted at each draft position."""
+
+    max_drafts: int
+    proposed: np.ndarray = dataclasses.field(init=False)  # [K] drafts verified at position j
+    accepted: np.ndarray = dataclasses.field(init=False)  # [K] of them accepted
+
+    def __post_init__(self) -> None:
+        self.proposed = np.zeros((self.max_drafts,), np.int64)
+        self.accepted = np.zeros((self.max_drafts,), np.int64)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed[:proposed] += 1
+        self.accepted[:accepted] += 1
+
+    def acceptance(self) -> list[float | None]:
+        """Acceptance rate per draft position (None where nothing was drafted there yet)."""
+        return [None if p == 0 else float(a / p) for p, a in zip(self.proposed, self.accepted)]
 
 
 class Engine:
     """Owns params + decode state + compiled steps; `add` / `launch` / `collect` / `remove`."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, eos_ids: Seq[int] = (), config: EngineConfig = EngineConfig()):
+    def __init__(self, cfg: ModelConfig, params: Params, *, eos_ids: Seq[int] = (), config: EngineConfig = EngineConfig(),
+                 draft_source: Callable[[list[int], int], list[int]] = prompt_lookup):
+        """`draft_source(tokens, k)` proposes up to k tokens to follow `tokens` (a sequence's
+        prompt and output so far) when `config.max_drafts` > 0."""
         self.cfg = cfg
+        self.draft_source = draft_source
         self.params = params
         self.config = config
         self.eos_ids = frozenset(eos_ids)
@@ -213,6 +242,9 @@ class Engine:
         # Tokens routed to each expert since start, [L, E] ([L, 0] for dense models).
         self.expert_tokens = np.zeros((cfg.n_layers, cfg.n_experts if cfg.is_moe else 0), np.int64)
         self._seed_counter = itertools.count(1)
+        self.draft_stats = DraftStats(config.max_drafts)
+        # With an MTP head every verification round also drafts the next one (on device).
+        self.mtp_drafts = bool(config.max_drafts and cfg.mtp_layers and params.mtp is not None)
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
         self._compiled: dict[tuple, Callable[..., Any]] = {}
@@ -254,22 +286,31 @@ class Engine:
             )
         if not self.can_admit(total):
             raise EngineFull(f"no room for {total} positions now")
+        if checkpoint is not None and not 0 < cached_tokens < len(prompt):
+            raise ValueError("cached_tokens must be in (0, len(prompt))")
+        if checkpoint is not None and self.cfg.n_linear_layers and int(checkpoint.length) != cached_tokens:
+            raise ValueError(f"a recurrent state holds exactly {int(checkpoint.length)} positions, not {cached_tokens}")
+        # Everything that can fail on the host runs before the slot and pages are taken:
+        # a sequence that fails here must not hold them for good.
         seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
         row = self._sampling_row(params, seed, prompt)
         slot = self.free_slots.pop(0)
         pages = [self.free_pages.pop() for _ in range(self.pages_needed(total))]
-        self.state = steps.set_slot(self.state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
+        state = self.state
+        try:
+            state = steps.set_slot(state, np.int32(slot), np.asarray(page_row(pages, self.layout)), row)
+            if checkpoint is not None:
+                state = steps.insert(state, np.int32(slot), checkpoint)
+        except BaseException:
+            self.free_pages.extend(reversed(pages))
+            self.free_slots.append(slot)
+            self.free_slots.sort()
+            raise
+        self.state = state
         seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
                        constraint=constraint, stops=sorted({int(b) for b in stops if 0 < b < len(prompt)})
-                       if self.cfg.n_linear_layers else [])
+                       if self.cfg.n_linear_layers else [], drafting=self._draft_control(params, constraint))
         if checkpoint is not None:
-            if not 0 < cached_tokens < len(prompt):
-                self._give_back(slot, pages)
-                raise ValueError("cached_tokens must be in (0, len(prompt))")
-            if self.cfg.n_linear_layers and int(checkpoint.length) != cached_tokens:
-                self._give_back(slot, pages)
-                raise ValueError(f"a recurrent state holds exactly {int(checkpoint.length)} positions, not {cached_tokens}")
-            self.state = steps.insert(self.state, np.int32(slot), checkpoint)
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
         return seq
@@ -285,12 +326,11 @@ class Engine:
         return row.replace(extra=samplers_extra.extra_row(params, self.cfg.vocab_size, self.layout.max_seq_len, tokens,
                                                           self.config.logits_processors))
 
-    def _give_back(self, slot: int, pages: list[int]) -> None:
-        """Returns a slot and pages taken by an `add` that then failed."""
-        self.state = steps.release_slot(self.state, np.int32(slot))
-        self.free_pages.extend(pages)
-        self.free_slots.append(slot)
-        self.free_slots.sort()
+    def _draft_control(self, params: SamplingParams, constraint: TokenConstraint | None) -> DraftControl | None:
+        """Drafting for a new sequence: up to the request's `drafts` (None: the engine's
+        `max_drafts`), never for constrained ones (their masks need the host per token)."""
+        most = self.config.max_drafts if params.drafts is None else min(params.drafts, self.config.max_drafts)
+        return DraftControl(most=most) if most > 0 and constraint is None else None
 
     def can_extract(self, seq: Sequence, n_positions: int) -> bool:
         """Whether `extract(seq, n_positions)` can give exactly `prompt[:n_positions]` now.
@@ -386,11 +426,15 @@ class Engine:
                             steps.step.lower(self.params, self.state, idle, self._idle_chunk(size), cfg=self.cfg,
                                              chunk_len=chunk_len, n_ctx_pages=ctx, decode_width=width)))
             samplers = (True, False) if plain_sampler_pays(self.cfg) else (True,)
+            if self.config.max_drafts and width == self.config.widths()[-1]:  # verify rounds span every slot
+                for full in samplers:
+                    out.append((("verify", self.config.max_drafts, ctx, full), lambda ctx=ctx, full=full:
+                                steps.verify.lower(self.params, self.state, idle, self._no_drafts(), cfg=self.cfg,
+                                                   n_ctx_pages=ctx, full_sampler=full)))
             for full in samplers if n > 1 else ():
                 out.append((("decode", n, ctx, width, full), lambda ctx=ctx, width=width, full=full:
                             steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, n_steps=n,
-                                                     n_ctx_pages=ctx, decode_width=width,
-                                                     unroll=self.config.decode_unroll, full_sampler=full)))
+                                                     n_ctx_pages=ctx, decode_width=width, full_sampler=full)))
         return out
 
     def warmup(self) -> int:
@@ -440,6 +484,9 @@ class Engine:
             if key[0] == "decode":
                 self.state, _ = compiled(self.params, self.state, idle)
                 continue
+            if key[0] == "verify":
+                self.state, _ = compiled(self.params, self.state, idle, self._no_drafts())
+                continue
             size = key[1] if key[1] in self.config.chunk_buckets else 0
             self.state, _ = compiled(self.params, self.state, idle, self._idle_chunk(size))
             if size:
@@ -448,6 +495,10 @@ class Engine:
                 chunk.seg_slot[0], chunk.seg_len[0] = B, size  # the trash row, after one cached position
                 self.state, _ = compiled(self.params, self.state, idle, chunk)
         jax.block_until_ready(self.state)
+
+    def _no_drafts(self) -> steps.Drafts:
+        B = self.layout.max_slots
+        return steps.Drafts(tokens=np.zeros((B, self.config.max_drafts), np.int32), count=np.zeros((B,), np.int32))
 
     def _idle_chunk(self, size: int) -> steps.ChunkBatch:
         B = self.layout.max_slots
@@ -490,6 +541,11 @@ class Engine:
         inputs = inputs.replace(want_top=np.bool_(any(s.params.top_logprobs > 0 for s in self.seqs.values())))
         snapshot = dict(self.seqs)
 
+        if not prefilling and self.config.max_drafts:
+            drafts = self._propose(decoding)
+            if drafts:
+                return self._launch_verify(inputs, decoding, drafts, snapshot)
+
         # Several steps per call only help unconstrained slots (a constrained one takes the
         # first step alone); when every decoding slot is constrained one step is all the work.
         free = any(s.constraint is None for s in decoding)
@@ -508,7 +564,7 @@ class Engine:
             else:
                 self.state, out = steps.decode_steps(
                     self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx, decode_width=width,
-                    unroll=self.config.decode_unroll, full_sampler=full,
+                    full_sampler=full,
                 )
             return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
 
@@ -532,6 +588,52 @@ class Engine:
                 decode_width=width,
             )
         return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt)
+
+    def _propose(self, decoding: list[Sequence]) -> dict[int, list[int]]:
+        """Drafts for the decoding sequences whose every token is collected (drafts continue
+        the text the host has); {} when none has any."""
+        out: dict[int, list[int]] = {}
+        for s in decoding:
+            if s.drafting is None or s.constraint is not None or len(s.generated) != s.dispatched + 1:
+                continue
+            # Never past max_tokens (nor so past the reserved pages).
+            k = min(s.drafting.wanted(), s.params.max_tokens - len(s.generated) - 1)
+            if k <= 0:
+                continue
+            source = s.mtp_drafts if self.mtp_drafts else self.draft_source(s.prompt + s.generated, k)
+            proposal = list(source)[:k]
+            if proposal or self.mtp_drafts:  # an MTP model verifies with no drafts to get the head's first ones
+                out[s.slot] = proposal
+        return out
+
+    def _launch_verify(self, inputs: steps.RoundInputs, decoding: list[Sequence], drafts: dict[int, list[int]],
+                       snapshot: dict[int, Sequence]) -> Round:
+        """One verification round for every decoding sequence (those without drafts decode one
+        token in it); they all sit out later launches until `collect` has settled it."""
+        B, K = self.layout.max_slots, self.config.max_drafts
+        tokens = np.zeros((B, K), np.int32)
+        count = np.zeros((B,), np.int32)
+        for slot, proposal in drafts.items():
+            tokens[slot, : len(proposal)] = proposal
+            count[slot] = len(proposal)
+        # Constrained sequences wait for the next plain round (their masks need the host).
+        decoding = [s for s in decoding if s.constraint is None]
+        inputs.decode_mask[:] = False
+        inputs.decode_mask[[s.slot for s in decoding]] = True
+        for s in decoding:
+            s.verifying = 1 + int(count[s.slot])
+            s.dispatched += s.verifying
+        ctx = self._ctx_pages(max(s.position_bound for s in decoding) + 1)
+        full = not plain_sampler_pays(self.cfg) or any(needs_full_sampler(s.params) for s in decoding)
+        d = steps.Drafts(tokens=tokens, count=count)
+        compiled = self._compiled.get(("verify", K, ctx, full))
+        if compiled is not None:
+            self.state, out = compiled(self.params, self.state, inputs, d)
+        else:
+            self.state, out = steps.verify(self.params, self.state, inputs, d, cfg=self.cfg, n_ctx_pages=ctx,
+                                           full_sampler=full)
+        return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0,
+                     drafts={s.slot: int(count[s.slot]) for s in decoding})
 
     @staticmethod
     def _constrain(inputs: steps.RoundInputs, sampling: list[Sequence]) -> None:
@@ -609,6 +711,7 @@ class Engine:
     def collect(self, handle: Round) -> list[TokenEvent]:
         """Reads a launched round (one device_get) and appends its tokens to the sequences."""
         out = jax.device_get(handle.output)
+        next_drafts, out = out.next_drafts, out.replace(next_drafts=None)
         experts = out.expert_tokens
         self.expert_tokens += experts.sum(axis=0) if handle.multi else experts
         steps_out = (
@@ -638,7 +741,26 @@ class Engine:
                 seq.logprobs.extend(lps)
                 seq.top_logprobs.extend(tops)
                 events.append(TokenEvent(seq.id, new, lps, tops, seq.finish_reason))
+            self._settle_drafts(seq, handle, len(new))
+            if next_drafts is not None and seq.slot in handle.drafts:
+                seq.mtp_drafts = [int(t) for t in next_drafts[slot]]
         return events
+
+    def _settle_drafts(self, seq: Sequence, handle: Round, n_new: int) -> None:
+        """After a collect: a verification round's real token count replaces the bound it was
+        dispatched with, and the sequence's drafting adapts to what was accepted."""
+        proposed = handle.drafts.get(seq.slot)
+        if proposed is None:  # not part of a verification round
+            if seq.drafting is not None:
+                seq.drafting.plain_tokens(n_new)
+            return
+        if seq.verifying:
+            seq.dispatched -= seq.verifying - n_new
+            seq.verifying = 0
+        if seq.drafting is not None and proposed:
+            accepted = min(max(n_new - 1, 0), proposed)
+            seq.drafting.verified(proposed, accepted)
+            self.draft_stats.record(proposed, accepted)
 
     def _is_stop(self, seq: Sequence, token: int) -> bool:
         stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_ids))

@@ -227,10 +227,6 @@ def check_params(params: Params, cfg: ModelConfig) -> None:
             raise ValueError(f"param {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
 
 
-def cast_params(params: Params, dtype: str) -> Params:
-    return jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
-
-
 def unstack_layers(params: Params) -> Params:
     """Stacked layers -> a tuple of per-layer params (the unrolled layout). Hybrid layers
     always stay stacked (they run scanned in groups of `layer_period`)."""
@@ -290,10 +286,8 @@ def unfuse_projections(params: Params) -> Params:
 def layout_params(params: Params, scan_layers: bool, *, fuse: bool = True) -> Params:
     """The runtime tree: layers stacked for `lax.scan` or unrolled, projections fused.
 
-    Fusing measured faster on both machines: on the CPU, single-stream SmolLM2 decode went
-    from ~31 to ~33 tok/s; on an H200 with the 8B shape, the served 2k-prompt TTFT was 74 ms
-    fused vs 84 ms not, and 64-concurrent output 4,544 vs 4,166 tok/s (docs/benchmarks.md,
-    2026-12-03). `fuse=False` keeps one matrix per projection (for A/B runs).
+    Fusing is faster on both CPU and GPU (docs/lab/2026-12.md). `fuse=False` keeps one matrix
+    per projection (for A/B runs).
     """
     params = stack_layers(params) if scan_layers else unstack_layers(params)
     return fuse_projections(params) if fuse else params

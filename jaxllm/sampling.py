@@ -56,6 +56,9 @@ class SamplingParams:
     mirostat_tau: float = 0.0  # > 0: mirostat v2 with this target surprise (bits)
     mirostat_eta: float = 0.1
     logits_processor: Callable | None = None  # (logits [V], RowContext) -> logits, traced into the round
+    # Speculative drafts per round (None: the engine's default, 0: none); drafts never change
+    # the tokens, only how many one round can emit.
+    drafts: int | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first invalid field."""
@@ -70,6 +73,7 @@ class SamplingParams:
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (self.drafts is None or self.drafts >= 0, "drafts must be >= 0"),
             (all(0 <= t < vocab_size for t in self.logit_bias), "logit_bias has a token id outside the vocabulary"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
             (all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids has an id outside the vocabulary"),
@@ -180,7 +184,7 @@ def _filter_rows(scaled: jax.Array, s: SlotSampling, filters: jax.Array, branche
     """[B, V] allowed ids: `_filter_mask` on the rows that filter, everything elsewhere (a
     row without filters keeps its whole vocabulary whatever its neighbours ask; through the
     filter with top_p = 1 a peaked row could lose its float32 tail). The filter sorts the
-    vocabulary (~10 ms per row of 49k ids on a CPU core), so with "cond" branches (the CPU)
+    vocabulary (costly on a CPU core), so with "cond" branches (the CPU)
     rows that do not filter skip it, a `lax.cond` per row; "select" (GPU) filters every row
     at once."""
     if branches == "cond":
@@ -231,7 +235,7 @@ def sample(
         and selects (same results; see ModelConfig.sampler_branches).
       full: with False, no row filters (top-k/top-p/min-p) and none wants top logprobs
         (the caller knows; `needs_full_sampler`): those parts, the costly ones (a sort of the
-        vocabulary each, ~1 ms per step for 64 rows of 128k on an H200), are left out and top
+        vocabulary each), are left out and top
         logprobs are zeros. The filter and the top logprobs always run behind `lax.cond`.
     """
     cond = jax.lax.cond if branches == "cond" else _select_cond

@@ -208,11 +208,6 @@ def init_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
     )
 
 
-def state_nbytes(cfg: ModelConfig, layout: StateLayout) -> int:
-    shapes = jax.eval_shape(lambda: init_state(cfg, layout))
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-
-
 def pages_bucket(n_pages: int, max_pages: int) -> int:
     """Rounds a page count up to a power of two (capped), the context buckets of the steps."""
     bucket = 1

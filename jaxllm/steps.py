@@ -22,6 +22,7 @@ from jaxllm.attention.reference import Windows
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import TokenBatch, forward, lm_head
 from jaxllm.model.hybrid import hybrid_forward
+from jaxllm.model.mtp import mtp_draft
 from jaxllm.model.kernel_choice import matmul_kernel, sampler_branches
 from jaxllm import samplers_extra
 from jaxllm.params import Params
@@ -72,6 +73,8 @@ class StepOutput:
     done: jax.Array  # [B] bool after this round
     expert_tokens: jax.Array  # [L, E] tokens routed to each expert ([L, 0] for dense models)
     entropy: jax.Array | None = None  # [B] f32 of the model's distribution (research engines only)
+    # Verification rounds of models with an MTP head: each slot's drafts for its next round.
+    next_drafts: jax.Array | None = None  # [B, K] i32
 
 
 def empty_chunk(B: int) -> ChunkBatch:
@@ -194,7 +197,7 @@ def step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width", "unroll", "full_sampler"),
+    static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width", "full_sampler"),
     donate_argnames=("state",),
 )
 def decode_steps(
@@ -206,15 +209,12 @@ def decode_steps(
     n_steps: int,
     n_ctx_pages: int,
     decode_width: int,
-    unroll: int = 1,
     full_sampler: bool = True,
 ) -> tuple[DecodeState, StepOutput]:
     """`n_steps` decode-only rounds in one call; outputs stacked on a leading [n_steps] axis.
 
     A constrained slot takes only the first step: its next mask needs the host to see the
-    token it just drew. `unroll` steps are laid out straight in each loop iteration
-    (`lax.scan`'s unroll; n_steps = no loop at all): fewer loop iterations, longer compiles.
-    `full_sampler=False` leaves the sampler's filters and top logprobs out (for calls whose
+    token it just drew. `full_sampler=False` leaves the sampler's filters and top logprobs out (for calls whose
     requests need neither, `jaxllm.sampling.needs_full_sampler`): on the GPU such a call has
     no conditional, so the host queues step after step without waiting for the device.
     """
@@ -228,7 +228,7 @@ def decode_steps(
             full_sampler=full_sampler,
         )
 
-    return jax.lax.scan(body, state, jnp.arange(n_steps) == 0, unroll=unroll)
+    return jax.lax.scan(body, state, jnp.arange(n_steps) == 0)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -305,3 +305,153 @@ def insert(state: DecodeState, slot: jax.Array, ckpt: SeqCheckpoint) -> DecodeSt
 def new_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
     """A zeroed state built on device (no host copy of the page pool)."""
     return init_state(cfg, layout)
+
+
+@struct.dataclass
+class Drafts:
+    """Proposed continuations of the decoding slots for one verification round."""
+
+    tokens: jax.Array  # [B, K] i32
+    count: jax.Array  # [B] i32 how many of them to verify (0 = a plain decode step)
+
+
+def _verify_round(
+    params: Params,
+    state: DecodeState,
+    inputs: RoundInputs,
+    drafts: Drafts,
+    *,
+    cfg: ModelConfig,
+    n_ctx_pages: int,
+    full_sampler: bool,
+) -> tuple[DecodeState, StepOutput]:
+    """Feeds each decoding slot its last token and its drafts, samples every position with the
+    slot's own sampler, and keeps the longest run of drafts that equal what was sampled.
+
+    The sampler's draw at a position is a function of (seed, position) and the logits, and
+    the logits at a draft's position are the ones decoding would have seen had the earlier
+    drafts been its own tokens. So a draft is accepted exactly when decoding without drafts
+    would have produced it, and the emitted tokens are, token for token, those of decoding
+    without drafts, greedy or sampled. For a draft that is one fixed token d this is the
+    speculative rejection rule: d is kept with probability p(d) (the Gumbel argmax is d), and
+    otherwise the token is distributed as p without d.
+
+    Attention layers roll back by length alone (positions past the accepted ones are
+    overwritten later); linear-attention layers keep their state after each fed token and
+    take the one at the accepted length.
+
+    Returns the state and a StepOutput stacked on a leading [K + 1] axis, step j holding the
+    (j + 1)-th emitted token of each slot (`sampled` false past a slot's last one), the
+    layout of `decode_steps`.
+    """
+    B = state.lengths.shape[0]
+    K = drafts.tokens.shape[1]
+    Tw = K + 1
+    rows = jnp.arange(B)
+    decoding = inputs.decode_mask & ~state.done & ~inputs.constrained
+    n = jnp.where(decoding, jnp.clip(drafts.count, 0, K), 0)
+    fed = jnp.concatenate([state.last_token[:, None], drafts.tokens], axis=1)  # [B, Tw]
+    at = state.lengths[:, None] + jnp.arange(Tw)[None, :]
+    valid = decoding[:, None] & (jnp.arange(Tw)[None, :] <= n[:, None])
+    none = jnp.zeros((0,), jnp.int32)
+    batch = TokenBatch(
+        tokens=fed.reshape(-1),
+        slots=jnp.where(valid, rows[:, None], B).reshape(-1),
+        positions=jnp.where(valid, at, 0).reshape(-1),
+        decode=Windows(slot=none, start=none, length=none),
+        chunks=Windows(slot=rows, start=rows * Tw, length=jnp.where(decoding, n + 1, 0)),
+    )
+    if cfg.is_hybrid:
+        hidden, kv, snapshots, experts = hybrid_forward(
+            params, cfg, batch, state.kv, state.recurrent, state.page_table, chunk_len=Tw, n_ctx_pages=n_ctx_pages,
+            snapshots=True,
+        )
+    else:
+        hidden, kv, experts = forward(params, cfg, batch, state.kv, state.page_table, chunk_len=Tw, n_ctx_pages=n_ctx_pages)
+        snapshots = None
+    logits = lm_head(params, hidden, kernel=matmul_kernel(cfg, B * Tw)).reshape(B, Tw, -1)
+
+    # Position j draws the token after fed[:, j]; the earlier drafts count as generated tokens
+    # there (penalties, min_tokens, max_tokens), as they would be had decoding produced them.
+    seen = state.seen.at[jnp.where(decoding, rows, B), state.last_token].set(True, mode="drop")
+    out_counts = state.out_counts
+    draws, stops = [], []
+    for j in range(Tw):
+        if j:
+            d = drafts.tokens[:, j - 1]
+            live = decoding & (j <= n)
+            seen = seen.at[jnp.where(live, rows, B), d].set(True, mode="drop")
+            out_counts = out_counts.at[jnp.where(live, rows, B), d].add(1, mode="drop")
+        draw = sample(
+            logits[:, j], state.sampling, seen, out_counts, state.n_generated + j, state.lengths + j + 1,
+            inputs.want_top, branches=sampler_branches(cfg), full=full_sampler,
+        )
+        draws.append(draw)
+        stops.append(state.sampling.stop_mask[rows, draw.tokens] | (state.n_generated + j + 1 >= state.sampling.max_tokens))
+    tokens = jnp.stack([d.tokens for d in draws], axis=1)  # [B, Tw]
+    stop = jnp.stack(stops, axis=1)
+    # Emitted: tokens up to the first that disagrees with its draft, stops, or has no draft.
+    agrees = (tokens[:, :K] == drafts.tokens) & (jnp.arange(K)[None, :] < n[:, None]) & ~stop[:, :K]
+    emitted = jnp.where(decoding, 1 + jnp.sum(jnp.cumprod(agrees, axis=1), axis=1), 0).astype(jnp.int32)  # [B]
+    last = jnp.maximum(emitted - 1, 0)
+    sampled = decoding[:, None] & (jnp.arange(Tw)[None, :] < emitted[:, None])  # [B, Tw]
+
+    new_last = jnp.where(decoding, tokens[rows, last], state.last_token)
+    finished = stop[rows, last]
+    done = jnp.where(decoding, finished, state.done)
+    # The state of decoding without drafts after `emitted` steps: every emitted token but the
+    # last was fed (and seen), every emitted token counted.
+    kept_fed = valid & (jnp.arange(Tw)[None, :] < emitted[:, None])
+    seen = state.seen.at[jnp.where(kept_fed, rows[:, None], B), fed].set(True, mode="drop")
+    out_counts = state.out_counts.at[jnp.where(sampled, rows[:, None], B), tokens].add(1, mode="drop")
+    recurrent = state.recurrent
+    if snapshots is not None and recurrent is not None:
+        recurrent = snapshots.keep(recurrent, jnp.maximum(emitted, 1))
+    new_state = state.replace(
+        kv=kv,
+        recurrent=recurrent,
+        lengths=state.lengths + emitted,
+        last_token=new_last,
+        n_generated=state.n_generated + emitted,
+        done=done,
+        seen=seen,
+        out_counts=out_counts,
+    )
+    next_drafts = None
+    if params.mtp is not None and cfg.mtp_layers:
+        # The head drafts what follows the token just sampled, from the hidden state that
+        # sampled it (the accepted position's), for the slot's next verification round.
+        h_last = hidden.reshape(B, Tw, -1)[rows, last]
+        # One slot after another: the head's routed experts (ragged_dot) do not batch under vmap.
+        next_drafts = jax.lax.map(lambda a: mtp_draft(params, cfg, a[0], a[1], a[2], K)[0],
+                                  (h_last, new_last, state.lengths + last))
+    steps_axis = jnp.arange(Tw)[:, None]
+    out = StepOutput(
+        tokens=tokens.T,
+        logprob=jnp.stack([d.logprob for d in draws]),
+        top_ids=jnp.stack([d.top_ids for d in draws]),
+        top_logprobs=jnp.stack([d.top_logprobs for d in draws]),
+        sampled=sampled.T,
+        done=(steps_axis == last[None, :]) & done[None, :] & sampled.T,
+        expert_tokens=jnp.zeros((Tw, *experts.shape), experts.dtype).at[0].set(experts),
+        next_drafts=next_drafts,
+    )
+    return new_state, out
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "n_ctx_pages", "full_sampler"), donate_argnames=("state",)
+)
+def verify(
+    params: Params,
+    state: DecodeState,
+    inputs: RoundInputs,
+    drafts: Drafts,
+    *,
+    cfg: ModelConfig,
+    n_ctx_pages: int,
+    full_sampler: bool = True,
+) -> tuple[DecodeState, StepOutput]:
+    """One speculative round: every `inputs.decode_mask` slot verifies its drafts (see
+    `_verify_round`); constrained slots take no part (their masks need the host per token)."""
+    return _verify_round(params, state, inputs, drafts, cfg=cfg, n_ctx_pages=n_ctx_pages, full_sampler=full_sampler)

@@ -28,6 +28,8 @@ class Metrics:
         self.tool_fallbacks = Counter("jaxllm_tool_call_fallbacks", "Tool-call parses that fell back", ["reason"], registry=r)
         self.tool_schema_mismatches = Counter("jaxllm_tool_call_schema_mismatches", "Calls whose arguments failed the schema", registry=r)
         self.tool_empty_arguments = Counter("jaxllm_tool_call_empty_arguments", "Calls with empty arguments omitted", registry=r)
+        self.draft_acceptance = Gauge("jaxllm_draft_acceptance_rate", "Share of drafts accepted, by draft position",
+                                      ["position"], registry=r)
         self.queued = Gauge("jaxllm_queued_requests", "Requests waiting for admission", registry=r)
         self.active = Gauge("jaxllm_active_requests", "Requests admitted", registry=r)
         self.reserved_bytes = Gauge("jaxllm_reserved_state_bytes", "Bytes reserved by admitted requests", registry=r)

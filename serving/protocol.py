@@ -16,8 +16,9 @@ from typing import Any
 from jaxllm.chat_template import ChatTemplateError, tokenize_chat
 from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxllm.tokenizer import Tokenizer
+from serving.errors import ApiError
 from serving.settings import Settings
-from serving.structured import StructuredOutputError, build_constraints
+from serving.structured import StructuredOutputError, build_constraints, check_json_schema
 from serving.tool_calls import (
     DEFAULT_TOOL_SYSTEM_PROMPT,
     ToolContract,
@@ -25,27 +26,7 @@ from serving.tool_calls import (
     render_tool_calls_as_text,
     render_tool_result_as_text,
 )
-
-
-class ApiError(Exception):
-    """An error a client sees: HTTP status plus the OpenAI error body."""
-
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or _TYPES.get(status, "server_error")
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 499: "cancelled", 503: "service_unavailable"}
+from serving.validation import check_chat, check_completion, check_sizes
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -198,9 +179,12 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise bad("'stop_token_ids' must be token ids", "stop_token_ids")
     top_k = _get(body, "top_k", int, d.top_k)
+    drafts = _get(body, "drafts", int, None)
+    if drafts is not None and not 0 <= drafts <= settings.engine.max_drafts:
+        raise bad(f"'drafts' must be in [0, {settings.engine.max_drafts}] (the server's max_drafts)", "drafts")
     p = SamplingParams(
         temperature=_number(body, "temperature", d.temperature),
-        top_k=0 if top_k == -1 else top_k,
+        top_k=0 if top_k == -1 else min(top_k, vocab),  # past the vocabulary it keeps every token
         top_p=_number(body, "top_p", d.top_p),
         min_p=_number(body, "min_p", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
@@ -214,12 +198,25 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
         seed=seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        drafts=drafts,
     )
     try:
         p.validate(vocab)
     except ValueError as e:
-        raise bad(str(e)) from None
+        raise bad(str(e), _sampler_param(str(e))) from None
     return p
+
+
+# Fields whose sampler message starts with their name ("top_p must be in (0, 1]").
+_SAMPLER_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                             "frequency_penalty", "max_tokens", "min_tokens", "top_logprobs", "logit_bias",
+                             "stop_token_ids"})
+
+
+def _sampler_param(message: str) -> str | None:
+    """The request field a `SamplingParams.validate` message is about."""
+    first = message.split(" ", 1)[0]
+    return first if first in _SAMPLER_FIELDS else None
 
 
 def _choices(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_context: int, vocab: int,
@@ -249,6 +246,7 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
 def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings, *, max_context: int,
                model_name: str, vocab: int, history: list[dict[str, Any]] | None = None,
                session_seed: int | None = None) -> Prepared:
+    check_chat(body)
     common = _common(body)
     response_format = _get(body, "response_format", dict, {"type": "text"})
     tools = _get(body, "tools", list, None)
@@ -256,6 +254,12 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     if tools is not None:
         if not all(isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and "name" in t["function"] for t in tools):
             raise bad("each tool needs function.name", "tools")
+        for t in tools:
+            try:  # the same schema drives the grammar and the argument check: both must read it alike
+                if t["function"].get("parameters") is not None:
+                    check_json_schema(t["function"]["parameters"], "tools")
+            except StructuredOutputError as e:
+                raise bad(f"tool {t['function']['name']!r}: {e}", "tools") from None
     if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
         raise bad("'tool_choice' must be auto, none, required or a named function", "tool_choice")
     if isinstance(tool_choice, Mapping):
@@ -266,6 +270,9 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     raw_messages = body.get("messages")
     new_messages = list(raw_messages) if isinstance(raw_messages, list) else raw_messages
     all_messages = (history or []) + (new_messages or []) if history is not None else new_messages
+    lim = settings.limits
+    check_sizes(all_messages, tools, response_format, max_messages=lim.max_messages, max_tools=lim.max_tools,
+                max_schema_bytes=lim.max_schema_bytes)
     use_tools = tools if tools and tool_choice != "none" else None
     messages = normalize_messages(all_messages, use_tools, native)
     try:
@@ -298,6 +305,7 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
 
 def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings, *, max_context: int,
                      model_name: str, vocab: int) -> Prepared:
+    check_completion(body)
     common = _common(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -156,11 +156,12 @@ class Active:
 
 
 def reservation_bytes(prepared: Prepared, bytes_per_page: int, pages: int, vocab: int, settings: Settings,
-                      body_bytes: int) -> int:
-    """What the whole request can need: KV pages for prompt + max_tokens, sampler workspace,
-    token copies and message copies (the request body twice, the response budget)."""
+                      body_bytes: int, recurrent_bytes: int = 0) -> int:
+    """What the whole request can need: KV pages for prompt + max_tokens, the fixed recurrent
+    state of a hybrid model's linear-attention layers, sampler workspace, token copies and
+    message copies (the request body twice, the response budget)."""
     context = len(prepared.prompt) + prepared.max_tokens
-    per_choice = pages * bytes_per_page + vocab * 24 + context * 16
+    per_choice = pages * bytes_per_page + recurrent_bytes + vocab * 24 + context * 16
     return prepared.n * per_choice + 2 * body_bytes + settings.limits.response_bytes
 
 
@@ -185,6 +186,7 @@ class Scheduler:
 
     def __init__(self, engine: EngineLike, tokenizer: TokenizerLike, settings: SettingsStore, metrics: Metrics,
                  sessions: SessionStore, *, bytes_per_page: int, vocab: int, cache_options: bytes = b"",
+                 recurrent_bytes: int = 0,
                  clock: Callable[[], float] = time.perf_counter, on_death: Callable[[BaseException], None] | None = None,
                  warmup: Callable[[], None] | None = None):
         self.engine = engine
@@ -193,6 +195,7 @@ class Scheduler:
         self.metrics = metrics
         self.sessions = sessions
         self.bytes_per_page = bytes_per_page
+        self.recurrent_bytes = recurrent_bytes  # per sequence, fixed (hybrid models; else 0)
         self.vocab = vocab
         self.cache_options = cache_options
         self.clock = clock
@@ -209,9 +212,10 @@ class Scheduler:
         self.reserved = 0
         self.totals = dict(queued=0, admitted=0, finished=0, failed=0, rejected=0, cancelled=0, cancelled_queued=0,
                            prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0,
-                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0)
+                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0, host_errors=0)
         self.ready = False
         self.dead: BaseException | None = None
+        self.stuck: str | None = None  # why nothing can be admitted any more (/health turns 503)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_housekeeping = 0.0
@@ -482,10 +486,16 @@ class Scheduler:
             a, c = entry
             if a.failed or a not in self.active or c.finished:  # c.finished: tokens past a stop string
                 continue
-            self._on_tokens(a, c, ev)
+            try:
+                self._on_tokens(a, c, ev)
+            except Exception as e:  # noqa: BLE001 - host code of one request fails that request alone
+                self._host_failed(a, e)
         for a in list(self.active):
             if not a.failed and all(c.finished for c in a.choices):
-                self._complete(a)
+                try:
+                    self._complete(a)
+                except Exception as e:  # noqa: BLE001 - e.g. sessions or usage: this request alone
+                    self._host_failed(a, e)
 
     def _checkpoint(self, seq: Any, length: int) -> None:
         if self.cache.contains(seq.prompt[:length], self.cache_options):
@@ -597,6 +607,13 @@ class Scheduler:
         usage = {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
                  "total_tokens": len(p.prompt) + completion,
                  "prompt_tokens_details": {"cached_tokens": a.cached_tokens}}
+        drafting = [c.seq.drafting for c in a.choices if c.seq is not None and getattr(c.seq, "drafting", None)]
+        if drafting:  # OpenAI's names for verified drafts (predicted outputs)
+            proposed, accepted = sum(d.proposed for d in drafting), sum(d.accepted for d in drafting)
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                  "rejected_prediction_tokens": proposed - accepted}
+            if proposed:
+                log.info("serve %s: drafts %d, accepted %d (%.0f%%)", a.job.id, proposed, accepted, 100 * accepted / proposed)
         if a.job.session_id is not None:
             c = a.choices[0]
             reply: dict[str, Any] = {"role": "assistant", "content": c.content or (None if c.tool_calls else "")}
@@ -610,6 +627,16 @@ class Scheduler:
         self._release(a)
         self.totals["finished"] += 1
         self.metrics.count_outcome("finished")
+
+    def _host_failed(self, a: Active, e: Exception) -> None:
+        """A request's host code (text, tool calls, finish, usage, sessions) raised: the
+        request gets a 500 and its resources back; the worker and every other request go on."""
+        self.totals["host_errors"] += 1
+        log.error("serve %s: request failed in host code: %s\n%s", a.job.id, e, traceback.format_exc())
+        if not a.failed:
+            self._fail(a, f"internal error while processing the request ({type(e).__name__}: {e})"[:1000], 500)
+        elif a in self.active:
+            self._release(a)
 
     def _fail(self, a: Active, message: str, status: int = 500) -> None:
         a.failed = True
@@ -634,6 +661,10 @@ class Scheduler:
             a.decode_seconds, _rate(decode, a.decode_seconds), ctx, self.engine.max_context,
             100 * ctx / max(self.engine.max_context, 1), used, layout.n_pages - 1, 100 * used / max(layout.n_pages - 1, 1),
         )
+        if self.recurrent_bytes:
+            live = len(self.engine.seqs)
+            log.info("serve %s: recurrent state %d/%d slots (%.1f MiB, %.0f%% full)", a.job.id, live, layout.max_slots,
+                     live * self.recurrent_bytes / 2**20, 100 * live / max(layout.max_slots, 1))
 
     # ---- housekeeping and the published snapshot ---------------------------------------
     def _housekeeping(self) -> None:
@@ -647,8 +678,25 @@ class Scheduler:
         self.cache.expire()
         self.sessions.expire()
 
+    def _stuck_reason(self) -> str | None:
+        """Slots or pages held while no request runs: they leaked, and what leaked never comes back."""
+        if self.active or self._in_flight is not None:
+            return None
+        layout = self.engine.layout
+        held_slots = layout.max_slots - len(self.engine.free_slots)
+        held_pages = layout.n_pages - 1 - len(self.engine.free_pages)
+        if held_slots or held_pages or self.engine.seqs:
+            return (f"{held_slots} of {layout.max_slots} sequence slots and {held_pages} KV pages are held by "
+                    "no request")
+        return None
+
     def publish(self) -> None:
         """Swaps in a fresh host snapshot for /v1/state and the gauges."""
+        stuck = self._stuck_reason()
+        if stuck != self.stuck:
+            if stuck:
+                log.critical("the worker can no longer admit everything: %s", stuck)
+            self.stuck = stuck
         layout = self.engine.layout
         live = {id(s) for s in self.engine.seqs.values()}
         reserved_pages = sum(len(c.seq.pages) for a in self.active for c in a.choices if id(c.seq) in live)
@@ -664,9 +712,14 @@ class Scheduler:
         m.prefix_cache_entries.set(cs["entries"])
         m.sessions.set(sess["active"])
         m.prefill_chunk.set(self.pacer.last)
+        stats = getattr(self.engine, "draft_stats", None)
+        for j, rate in enumerate(stats.acceptance() if stats is not None else []):
+            if rate is not None:
+                m.draft_acceptance.labels(position=str(j + 1)).set(rate)
         m.state = {
             "ready": self.ready,
             "dead": None if self.dead is None else str(self.dead),
+            "stuck": self.stuck,
             "settings_generation": self.settings.current.generation,
             "queued_requests": len(self.pending) + self.inbox.qsize(),
             "active_requests": len(self.active),
@@ -677,6 +730,9 @@ class Scheduler:
             "pages_in_use": pages_in_use,
             "pages_total": layout.n_pages - 1,
             "free_slots": len(self.engine.free_slots),
+            # Hybrid models: linear-attention layers hold a fixed-size state per live sequence.
+            "recurrent_state_bytes_in_use": self.recurrent_bytes * len(self.engine.seqs),
+            "recurrent_state_bytes_total": self.recurrent_bytes * layout.max_slots,
             "prefill_chunk_tokens": self.pacer.last,
             "prefill_rate_tokens_per_s": self.pacer.rate,
             "active": [
@@ -690,8 +746,17 @@ class Scheduler:
             "prefix_cache": cs,
             "sessions": sess,
             "compilations": self.compiles.count,
+            "speculative": _draft_state(getattr(self.engine, "draft_stats", None)),
             "expert_activity": expert_activity(getattr(self.engine, "expert_tokens", None)),
         }
+
+
+def _draft_state(stats: Any) -> dict[str, Any] | None:
+    """Drafts verified and accepted at each draft position since start (None: drafting off)."""
+    if stats is None or not stats.max_drafts:
+        return None
+    return {"proposed": stats.proposed.tolist(), "accepted": stats.accepted.tolist(),
+            "acceptance_by_position": stats.acceptance()}
 
 
 def _rate(tokens: int, seconds: float) -> str:

@@ -2,7 +2,9 @@
 
 Ids are random 128-bit hex strings chosen by the server. A session is bound to a hash of
 the API key that created it; a request with another key sees 404. Sessions expire after
-`ttl` idle seconds. Shared by handlers and the worker, so every method takes the lock.
+`ttl` idle seconds. A turn claims its session until its response ends: a second turn sent
+meanwhile is refused (409) rather than interleaved into the history. Shared by handlers and
+the worker, so every method takes the lock.
 """
 
 from __future__ import annotations
@@ -44,38 +46,68 @@ class Session:
                 "messages": list(self.messages), "usage": dict(self.usage)}
 
 
+class SessionBusy(Exception):
+    """The session has a turn in progress (turns of one session run one at a time)."""
+
+
 class SessionStore:
     def __init__(self, ttl: float, *, clock: Callable[[], float] = time.monotonic):
         self.ttl = ttl
         self.clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._busy: set[str] = set()  # sessions with a turn in progress
         self.expired = 0
         self.created = 0
 
-    def create(self, api_key: str | None) -> Session:
+    def create(self, api_key: str | None, *, rng: int | None = None, claimed: bool = False) -> Session:
+        """A new session owned by `api_key`; `claimed`: its first turn is in progress."""
         now = self.clock()
-        s = Session(id=secrets.token_hex(16), owner=_key_hash(api_key), rng=secrets.randbits(32), created=time.time(), used_at=now)
+        s = Session(id=secrets.token_hex(16), owner=_key_hash(api_key), rng=secrets.randbits(32) if rng is None else rng,
+                    created=time.time(), used_at=now)
         with self._lock:
             self._sessions[s.id] = s
             self.created += 1
+            if claimed:
+                self._busy.add(s.id)
+        return s
+
+    def claim(self, session_id: str, api_key: str | None) -> tuple[list[dict[str, Any]], int] | None:
+        """(history copy, rng) for a new turn, which holds the session until `release`;
+        None when there is no such session for this key.
+
+        Raises:
+          SessionBusy: another turn holds it (two at once would interleave their histories).
+        """
+        with self._lock:
+            s = self._live(session_id, api_key)
+            if s is None:
+                return None
+            if session_id in self._busy:
+                raise SessionBusy(session_id)
+            self._busy.add(session_id)
+            return [dict(m) for m in s.messages], s.rng
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            self._busy.discard(session_id)
+
+    def owned(self, session_id: str, api_key: str | None) -> bool:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            return s is not None and s.owner == _key_hash(api_key)
+
+    def _live(self, session_id: str, api_key: str | None) -> Session | None:
+        """The session if it exists, belongs to `api_key` and has not expired (lock held)."""
+        s = self._sessions.get(session_id)
+        if s is None or s.owner != _key_hash(api_key) or self.clock() - s.used_at > self.ttl:
+            return None
+        s.used_at = self.clock()
         return s
 
     def get(self, session_id: str, api_key: str | None) -> Session | None:
         with self._lock:
-            s = self._sessions.get(session_id)
-            if s is None or s.owner != _key_hash(api_key) or self.clock() - s.used_at > self.ttl:
-                return None
-            s.used_at = self.clock()
-            return s
-
-    def snapshot(self, session_id: str, api_key: str | None) -> tuple[list[dict[str, Any]], int] | None:
-        """(history copy, rng) for preparing a turn."""
-        s = self.get(session_id, api_key)
-        if s is None:
-            return None
-        with self._lock:
-            return [dict(m) for m in s.messages], s.rng
+            return self._live(session_id, api_key)
 
     def delete(self, session_id: str, api_key: str | None) -> bool:
         with self._lock:
@@ -83,6 +115,7 @@ class SessionStore:
             if s is None or s.owner != _key_hash(api_key):
                 return False
             del self._sessions[session_id]
+            self._busy.discard(session_id)
             return True
 
     def add_turn(self, session_id: str, new_messages: list[dict[str, Any]], reply: dict[str, Any],
@@ -103,7 +136,7 @@ class SessionStore:
     def expire(self) -> int:
         now = self.clock()
         with self._lock:
-            old = [k for k, s in self._sessions.items() if now - s.used_at > self.ttl]
+            old = [k for k, s in self._sessions.items() if now - s.used_at > self.ttl and k not in self._busy]
             for k in old:
                 del self._sessions[k]
             self.expired += len(old)

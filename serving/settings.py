@@ -9,12 +9,14 @@ those fields (they keep their value) and the reload result says they need a rest
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from jaxllm.engine import EngineConfig
+from serving.tool_calls import FORMATS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,14 @@ class Limits:
     prefix_cache_ttl_seconds: float = 600.0
     prefix_cache_min_tokens: int = 16
     session_ttl_seconds: float = 1800.0
+    max_messages: int = 1024  # messages of one conversation (history included)
+    max_tools: int = 128  # tools of one request
+    max_schema_bytes: int = 65536  # tools plus response_format, as JSON: each compiles into a grammar
+    body_seconds: float = 30.0  # a request body must arrive within this (408 after); headers: idle bound
+    max_connections: int = 256  # open client connections; more are answered 503 and closed
+    drain_seconds: float = 30.0  # on SIGTERM: in-flight requests finish within this; new ones get 503
+    profile_max_seconds: float = 60.0  # a profiler trace stops by itself after this
+    profile_max_mib: int = 1024  # no new trace while --profile-dir holds this much
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +69,9 @@ class EngineShape:
     decode_widths: tuple[int, ...] = _ENGINE.decode_widths
     chunk_segments: int = _ENGINE.chunk_segments
     chunk_decode_width: int = _ENGINE.chunk_decode_width
+    # Speculative decoding: prompt-lookup drafts verified per sequence and round (0 = off);
+    # a request's `drafts` may ask for fewer.
+    max_drafts: int = _ENGINE.max_drafts
 
     def __post_init__(self) -> None:
         self.engine_config()  # a bad shape fails when the settings are read, with the runtime's message
@@ -70,6 +83,7 @@ class EngineShape:
             page_size=self.page_size, chunk_buckets=tuple(self.chunk_buckets), min_ctx_pages=self.min_ctx_pages,
             decode_steps_per_call=self.decode_steps_per_call, decode_widths=tuple(self.decode_widths),
             chunk_segments=self.chunk_segments, chunk_decode_width=self.chunk_decode_width,
+            max_drafts=self.max_drafts,
         )
 
 
@@ -85,12 +99,47 @@ class Settings:
         return self.limits.active_state_mib << 20
 
 
+# Smallest value of each numeric setting (default 0); a value the server divides by or
+# needs at least one of is refused when read, at start-up and on reload alike.
+_MINIMUM: dict[str, float] = {
+    "active_requests": 1, "active_state_mib": 1, "request_bytes": 1, "response_bytes": 1, "max_output_tokens": 1,
+    "prefill_quantum": 1, "max_messages": 1, "max_tokens": 1, "top_k": -1, "max_connections": 1,
+}
+_EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p", "body_seconds", "profile_max_seconds"}  # must be > 0
+
+
+def _check_value(name: str, value: Any, kind: Any, where: str) -> None:
+    """The TOML value has the field's type (ints count as floats) and a sane range."""
+    label = f"[{where}] {name} = {value!r}"
+    if kind in ("int", int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind in ("float", float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    elif kind in ("str", str):
+        ok = isinstance(value, str)
+    else:  # tuple[int, ...]
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if not ok:
+        raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers')}")
+    if name == "tool_call_format" and value not in ("", *FORMATS):
+        raise ValueError(f"{label}: must be one of \"\", {', '.join(FORMATS)}")
+    if isinstance(value, (int, float)):
+        low = _MINIMUM.get(name, 0)
+        if value < low or name in _EXCLUSIVE_ZERO and value <= 0:
+            raise ValueError(f"{label}: must be {'> 0' if name in _EXCLUSIVE_ZERO else f'>= {low}'}")
+
+
 def _build(cls: type, table: dict[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(table) - names
+    if not isinstance(table, dict):
+        raise ValueError(f"[{where}] must be a table")  # noqa: TRY004 - settings errors are ValueErrors (reload's 400)
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    unknown = set(table) - set(fields)
     if unknown:
         raise ValueError(f"unknown setting(s) in [{where}]: {', '.join(sorted(unknown))}")
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    for name, value in table.items():
+        _check_value(name, value, fields[name], where)
+    kw = {k: tuple(v) if isinstance(v, list) else float(v) if fields[k] in ("float", float) else v
+          for k, v in table.items()}
     return cls(**kw)
 
 

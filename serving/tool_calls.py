@@ -610,7 +610,7 @@ class ToolCallDecoder:
             self._empty_args += 1
             args = {}
         validator = self._validators.get(name)
-        if validator is not None and not validator.is_valid(args):
+        if validator is not None and not _is_valid(validator, args):
             self._schema_mismatch += 1
         call = ParsedCall(
             name=name, arguments_json=json.dumps(args, ensure_ascii=False), id=self._new_id()
@@ -646,6 +646,14 @@ def _validator(schema: Mapping[str, Any]) -> Any:
     except jsonschema.SchemaError:
         return None
     return cls(schema)
+
+
+def _is_valid(validator: Any, args: Any) -> bool:
+    """The argument check; a schema it cannot evaluate (an unresolvable $ref) counts as a mismatch."""
+    try:
+        return bool(validator.is_valid(args))
+    except Exception:  # noqa: BLE001 - an unresolvable $ref raises from the referencing library
+        return False
 
 
 def _looks_like_call(buf: str, fmt: str) -> bool | None:

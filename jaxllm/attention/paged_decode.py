@@ -17,8 +17,8 @@ slow. This kernel instead reads each needed K/V page once, straight from the poo
     the output rows (zeros for windows that do not decode).
 
 Everything around the two kernels is left to the caller's fusions: a decode step runs this
-once per layer, and on an H200 each extra small kernel (padding q or the page ids, an XLA
-epilogue) cost 1.3-3 us per layer, 32 times per step.
+once per layer, and on a GPU each extra small kernel (padding q or the page ids, an XLA
+epilogue) is a launch-bound sliver paid once per layer (docs/lab/2026-12.md).
 
 The pool layout is [P, page_size, K, Dh]; the kernel sees it as rows [P * page_size, K * Dh]
 (a free reshape), so one kv head of one position is `Dh` contiguous elements. It also takes
@@ -39,7 +39,7 @@ from jaxllm.pallas_triton import MIN_DOT, compiler_params, plgpu, whole_block
 from jaxllm.state import to_kv_dtype
 
 _MASKED = -1e30  # finite: exp(_MASKED - m) is 0 without inf - inf = nan
-_TARGET_PROGRAMS = 256  # ~2 programs per SM on an H200 (132 SMs): measured best for W = 8
+_TARGET_PROGRAMS = 256  # ~2 programs per SM on an H200 (132 SMs): best for W = 8 (docs/lab/2026-12.md)
 _TRASH_PAGE = 0  # page never handed out (see jaxllm.state): dead rows read it, an L2 hit
 
 
@@ -71,10 +71,9 @@ def _decode_kernel(
     v_new_ref,  # [W, R'', Dh] rows holding the fresh values from row v_off
     k_ref,  # [L * P * page_size, K * Dh] whole pool, every layer
     v_ref,
-    *rest,  # (positions [W] i32, inv_freq [Dh/2] f32) with rope; o, m, l; (k_out, v_out)
+    *rest,  # (positions [W] i32, inv_freq [Dh/2] f32) with rope; o, m, l
     offsets: tuple[int, int, int],
     rope: bool,
-    return_kv: bool,
     page_size: int,
     pages_per_block: int,
     n_splits: int,
@@ -89,8 +88,7 @@ def _decode_kernel(
 ):
     rest = list(rest)
     pos_ref, inv_freq_ref = (rest.pop(0), rest.pop(0)) if rope else (None, None)
-    o_ref, m_ref, l_ref = rest[:3]  # o: [W, K, S, Gp, Dh] whole; m, l: [Gp] this program's
-    kv_out = rest[3:]  # [W, K, Dh] each, whole: the fresh k (rotated) and v as the cache holds them
+    o_ref, m_ref, l_ref = rest  # o: [W, K, S, Gp, Dh] whole; m, l: [Gp] this program's
     w, h, s = (pl.program_id(grid_order.index(axis)) for axis in "whs")
     # Attended positions are clipped to the bucket, like the reference's gather.
     length = jnp.minimum(len_ref[w], n_ctx_pages * page_size)
@@ -117,8 +115,7 @@ def _decode_kernel(
     # float8_e4m3fn value is a float16 value (one packed conversion on the GPU, where
     # bfloat16 took two through float32), and so is every bfloat16 query in float16's normal
     # range (queries are clipped to its largest value); probabilities round to float16.
-    # On an H200 this took the 64-wide 8B step with an 8-bit cache to 7.69 ms against 8.22
-    # with bfloat16 on one machine (7.93 vs 8.31 on another through float32 and bfloat16).
+    # Faster and more accurate than bfloat16 dots (docs/lab/2026-12.md).
     dot_dtype = jnp.float16 if narrow and jnp.dtype(dtype).itemsize == 2 else dtype
 
     def widen(x):
@@ -133,15 +130,8 @@ def _decode_kernel(
     q_rows = pl.ds(q_off + h * group, gp)
 
     def load(ref, rows, cols, mask=None):
-        """Rows of the window's q/k/v; from float32 split partials [S, W, R, Dh] of the qkv
-        projection they are summed and rounded to the model's dtype, like XLA's product."""
-        if len(ref.shape) == 3:
-            return ref[w, rows, cols] if mask is None else plgpu.load(ref.at[w, rows, cols], mask=mask, other=0)
-        # int32 split indices, not Python ints: the interpreter's masked load wants shaped ones.
-        # Triton takes `other` only with a mask.
-        fill = {} if mask is None else {"mask": mask, "other": 0}
-        parts = [plgpu.load(ref.at[jnp.int32(i), w, rows, cols], **fill) for i in range(ref.shape[0])]
-        return functools.reduce(jnp.add, parts).astype(dtype)
+        """Rows of the window's q/k/v."""
+        return ref[w, rows, cols] if mask is None else plgpu.load(ref.at[w, rows, cols], mask=mask, other=0)
 
     q1 = load(q_ref, q_rows, pl.ds(0, half), q_live)
     q2 = load(q_ref, q_rows, pl.ds(half, half), q_live)
@@ -189,13 +179,6 @@ def _decode_kernel(
     fresh_logit = (q1.astype(f32) * k1.astype(f32)).sum(axis=1) + (q2.astype(f32) * k2.astype(f32)).sum(axis=1)
     fresh_logit = fresh_logit * scale
     v_fresh = through_pool(load(v_new_ref, pl.ds(v_off + h, 1), pl.ds(0, head_dim)).astype(dtype))  # [1, Dh]
-    if return_kv:  # split 0 of each (window, kv head) hands the cache write its k and v
-        k_out, v_out = kv_out
-        at = (w, pl.ds(h, 1))
-        for ref, col, val in ((k_out, 0, k1), (k_out, half, k2), (v_out, 0, v_fresh)):
-            width = val.shape[1]
-            plgpu.store(ref.at[(*at, pl.ds(col, width))], to_kv_dtype(val, ref.dtype),
-                        mask=jnp.broadcast_to(s == 0, (1, width)))
     v_fresh = v_fresh.astype(f32)
     first = s == 0
     init = (
@@ -225,7 +208,7 @@ def _merge_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("interpret", "pages_per_block", "n_splits", "num_warps", "num_stages", "grid_order"),
+    jax.jit, static_argnames=("interpret", "_pages_per_block", "_n_splits", "_num_warps", "_num_stages", "_grid_order"),
 )
 def paged_decode_attention(
     q: jax.Array,
@@ -239,11 +222,11 @@ def paged_decode_attention(
     layer: jax.Array | int | None = None,
     window_live: jax.Array | None = None,
     interpret: bool = False,
-    pages_per_block: int | None = None,
-    n_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    grid_order: str = "hsw",
+    _pages_per_block: int | None = None,
+    _n_splits: int | None = None,
+    _num_warps: int = 4,
+    _num_stages: int = 2,
+    _grid_order: str = "hsw",
 ) -> jax.Array:
     """Decode attention of one query per window over its slot's pages plus its fresh key.
 
@@ -260,11 +243,14 @@ def paged_decode_attention(
       window_live: [W] bool/int, windows whose output rows are kept (default: all); the
         others come back as zeros.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
-      pages_per_block: pages per loop step (default: 64 positions, at least 16 rows).
-      n_splits: programs per (window, kv head), rounded up to a power of two (default:
+
+    The underscored knobs are for tests and `benchmarks/paged_decode_check.py`'s sweeps, not
+    part of the API:
+      _pages_per_block: pages per loop step (default: 64 positions, at least 16 rows).
+      _n_splits: programs per (window, kv head), rounded up to a power of two (default:
         enough to fill the GPU).
-      num_warps, num_stages: Triton launch parameters of the main kernel.
-      grid_order: the grid's axes, fastest-varying first (the GPU launches blocks in x order):
+      _num_warps, _num_stages: Triton launch parameters of the main kernel.
+      _grid_order: the grid's axes, fastest-varying first (the GPU launches blocks in x order):
         w = window, h = kv head, s = split. "hsw" runs a window's heads side by side, so
         the pool rows they share (K heads x Dh contiguous) are fetched together.
 
@@ -275,12 +261,12 @@ def paged_decode_attention(
     W, H, Dh = q.shape
     return _paged_decode(
         (q, k_new, v_new), (0, 0, 0), H, k_pages, v_pages, pages, cached_len, layer=layer,
-        window_live=window_live, rope=None, interpret=interpret, pages_per_block=pages_per_block,
-        n_splits=n_splits, num_warps=num_warps, num_stages=num_stages, grid_order=grid_order,
+        window_live=window_live, rope=None, interpret=interpret, pages_per_block=_pages_per_block,
+        n_splits=_n_splits, num_warps=_num_warps, num_stages=_num_stages, grid_order=_grid_order,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("n_heads", "interpret", "return_kv", "dtype"))
+@functools.partial(jax.jit, static_argnames=("n_heads", "interpret"))
 def paged_decode_attention_qkv(
     qkv: jax.Array,
     positions: jax.Array,
@@ -294,27 +280,19 @@ def paged_decode_attention_qkv(
     layer: jax.Array | int | None = None,
     window_live: jax.Array | None = None,
     interpret: bool = False,
-    return_kv: bool = False,
-    dtype: str | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
+) -> jax.Array:
     """`paged_decode_attention` straight from a fused projection's output, RoPE included.
 
     qkv: [W, H + 2K, Dh] the windows' queries, keys and values before RoPE (heads in that
-    order, as `jaxllm.params` fuses them), or the projection's float32 split partials
-    [S, W, H + 2K, Dh] (`matvec(partials=True)`), summed and rounded to the pool's dtype as
-    they load; positions: [W] i32 each window's position; inv_freq: [Dh/2] f32 RoPE
-    frequencies. The kernel rotates q and the fresh k itself, so a decode layer runs no
-    slicing or RoPE kernels before attention. Same result as rotating first and calling
-    `paged_decode_attention`. With `return_kv` it also returns the fresh (k rotated, v)
-    [W, K, Dh] each in the pool's dtype, what the cache write stores. `dtype`: the model's
-    dtype where q, k, v come as float32 partials and the pool is narrower (an 8-bit cache);
-    default the pool's.
+    order, as `jaxllm.params` fuses them); positions: [W] i32 each window's position;
+    inv_freq: [Dh/2] f32 RoPE frequencies. The kernel rotates q and the fresh k itself, so a
+    decode layer runs no slicing or RoPE kernels before attention. Same result as rotating
+    first and calling `paged_decode_attention`.
     """
     K = k_pages.shape[-2]
     return _paged_decode(
         (qkv, qkv, qkv), (0, n_heads, n_heads + K), n_heads, k_pages, v_pages, pages, cached_len,
-        layer=layer, window_live=window_live, rope=(positions, inv_freq), interpret=interpret, return_kv=return_kv,
-        dtype=dtype,
+        layer=layer, window_live=window_live, rope=(positions, inv_freq), interpret=interpret,
     )
 
 
@@ -331,20 +309,16 @@ def _paged_decode(
     window_live: jax.Array | None,
     rope: tuple[jax.Array, jax.Array] | None,
     interpret: bool,
-    return_kv: bool = False,
-    dtype: jnp.dtype | None = None,
     pages_per_block: int | None = None,
     n_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     grid_order: str = "hsw",
-) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
+) -> jax.Array:
     """Both kernels; q, k_new, v_new are rows of the three arrays from `offsets` (each
-    [W, R, Dh], or float32 split partials [S, W, R, Dh])."""
+    [W, R, Dh])."""
     W, Dh = qkv[0].shape[-3], qkv[0].shape[-1]
-    # Partials are float32 sums in progress: the result takes the model's dtype (by default
-    # the pool's).
-    out_dtype = jnp.dtype(qkv[0].dtype if qkv[0].ndim == 3 else dtype or k_pages.dtype)
+    out_dtype = jnp.dtype(qkv[0].dtype)
     if k_pages.ndim == 5:
         if layer is None:
             raise ValueError("a stacked [L, P, page, K, Dh] pool needs `layer`")
@@ -358,10 +332,8 @@ def _paged_decode(
     if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if pages_per_block is None:
-        # 64 positions per loop step. At 64 windows x 1536 positions (8B shapes, H200) 128
-        # measured faster alone over shuffled pages (0.124 vs 0.137 ms per call) but slower in
-        # the engine's decode step over its mostly ordered pages (8.51 vs 8.34 ms bf16, 8.59
-        # vs 7.96 with an 8-bit cache; docs/benchmarks.md), so 64 stays.
+        # 64 positions per loop step: 128 won alone over shuffled pages but lost inside the
+        # engine's step over its mostly ordered pages (docs/lab/2026-12.md).
         pages_per_block = max(1, 64 // page_size)
     pages_per_block = max(pages_per_block, -(-MIN_DOT // page_size))
     if n_splits is None:
@@ -388,7 +360,6 @@ def _paged_decode(
         _decode_kernel,
         offsets=offsets,
         rope=rope is not None,
-        return_kv=return_kv,
         pool_rows=n_pool * page_size,
         page_size=page_size,
         pages_per_block=pages_per_block,
@@ -408,8 +379,7 @@ def _paged_decode(
         return lambda *g: index_map(*(g[grid_order.index(axis)] for axis in "whs"))
 
     o_shape = jax.ShapeDtypeStruct((W, K, n_splits, gp, Dh), jnp.float32)
-    kv_shapes = [jax.ShapeDtypeStruct((W, K, Dh), k_pages.dtype)] * (2 if return_kv else 0)
-    o, m, l, *kv_out = pl.pallas_call(
+    o, m, l = pl.pallas_call(
         kernel,
         grid=tuple(sizes[axis] for axis in grid_order),
         in_specs=[whole_block(a) for a in operands],
@@ -417,13 +387,11 @@ def _paged_decode(
             whole_block(o_shape),  # each program stores its G real rows (masked)
             pl.BlockSpec((None, None, None, gp), by_axes(lambda w, h, s: (w, h, s, 0))),
             pl.BlockSpec((None, None, None, gp), by_axes(lambda w, h, s: (w, h, s, 0))),
-            *[whole_block(k) for k in kv_shapes],
         ],
         out_shape=[
             o_shape,
             jax.ShapeDtypeStruct((W, K, n_splits, gp), jnp.float32),
             jax.ShapeDtypeStruct((W, K, n_splits, gp), jnp.float32),
-            *kv_shapes,
         ],
         interpret=interpret,
         compiler_params=compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages),
@@ -446,4 +414,4 @@ def _paged_decode(
         compiler_params=compiler_params(interpret=interpret, num_warps=1, num_stages=1),
         name="paged_decode_merge",
     )(live, o, m, l)
-    return (out, *kv_out) if return_kv else out
+    return out

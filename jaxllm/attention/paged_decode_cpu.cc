@@ -7,8 +7,8 @@
 // straight from the page pool, and touches nothing past the window's cached length. With
 // fewer windows than threads, a window's rows are split into parts run on XLA's intra-op pool
 // and merged (flash-decoding's splits): inside a decode step the K/V rows come from memory
-// after the weights went through the caches, and one core waiting on them cost 4.3 ms of a
-// 25.8 ms step (2 cores: 22.8 ms).
+// after the weights went through the caches, and one core waiting on them was a sixth of the
+// step (docs/lab/2026-12.md).
 //
 // Semantics are exactly `paged_decode_reference` (one query per window): every head of the
 // window attends to cache positions [0, cached_len) of its slot plus its own fresh key, with

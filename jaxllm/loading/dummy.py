@@ -15,20 +15,20 @@ from jaxllm.config import ModelConfig
 from jaxllm.params import Params, param_shapes
 
 # RMSNorm scales: ones keep activations at unit scale like a freshly initialised model.
-_NORM_LEAVES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
+_NORM_LEAVES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "norm", "norm_embedding", "norm_hidden")
 _STD = 0.02  # small enough that 100+ layers of residual adds stay finite in bfloat16
 
 
+def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool) -> jax.Array:
+    if norm:
+        return jnp.ones(shape, dtype)
+    return (_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
 def _random_tree(key: jax.Array, cfg: ModelConfig) -> Params:
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
     keys = jax.random.split(key, len(leaves))
-    out = []
-    for k, (path, sds) in zip(keys, leaves):
-        if path[-1].name in _NORM_LEAVES:
-            out.append(jnp.ones(sds.shape, sds.dtype))
-        else:
-            out.append((_STD * jax.random.normal(k, sds.shape, jnp.float32)).astype(sds.dtype))
+    out = [_random_leaf(k, sds.shape, sds.dtype, path[-1].name in _NORM_LEAVES) for k, (path, sds) in zip(keys, leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -48,8 +48,16 @@ def dummy_params(cfg: ModelConfig, seed: int = 0, *, out_shardings: Any = None) 
     """
     # Normals are drawn in float32 then cast (XLA fuses the cast into the RNG loop), so the
     # values agree across target dtypes up to rounding.
-    fn = jax.jit(_random_tree, static_argnums=1, out_shardings=out_shardings)
     # "rbg" (XLA's RngBitGenerator) compiles in about a second where threefry's unrolled
     # hash takes ~10 s even for tiny models on CPU; dummy weights need no bit-exactness
     # across shardings, which is threefry's advantage.
-    return fn(jax.random.key(seed, impl="rbg"), cfg)
+    key = jax.random.key(seed, impl="rbg")
+    if out_shardings is not None:
+        return jax.jit(_random_tree, static_argnums=1, out_shardings=out_shardings)(key, cfg)
+    # Unsharded: one leaf per call, so only one leaf's float32 draw is ever live (a 35B MoE's
+    # whole tree in one call asked for 126 GiB on a 141 GiB GPU); the same values as above.
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+    keys = jax.random.split(key, len(leaves))
+    leaf = jax.jit(_random_leaf, static_argnums=(1, 2, 3))
+    out = [leaf(k, sds.shape, sds.dtype, path[-1].name in _NORM_LEAVES) for k, (path, sds) in zip(keys, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)

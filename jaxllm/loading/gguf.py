@@ -1,4 +1,5 @@
-"""Load a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe), dequantizing to float.
+"""Load a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe, and the hybrid qwen3next /
+qwen35 / qwen35moe through `jaxllm.loading.gguf_hybrid`), dequantizing to float.
 
 GGUF stores dims fastest-first (ggml `ne`), i.e. reversed relative to numpy; the reader's
 `tensor.data` is already in numpy order, so a linear weight reads as HF's [out, in] (for
@@ -26,9 +27,13 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig, RopeScaling
 from jaxllm.loading.assemble import ParamAssembler, heads_bias, heads_in, heads_out, linear
+from jaxllm.loading.checks import check_dims, check_heads, check_positive_finite
 from jaxllm.params import Params
 
 _ARCH_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+# Hybrid architectures (Gated DeltaNet + gated attention), mapped in gguf_hybrid.py (which
+# imports this module, hence the imports inside the functions below).
+_HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -116,9 +121,8 @@ def gguf_config(reader: gguf.GGUFReader, *, dtype: str = "float32", scan_layers:
       ValueError: unknown architecture or missing required metadata.
     """
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCH_FAMILY:
-        raise ValueError(f"unknown GGUF architecture {arch!r}; known: {', '.join(_ARCH_FAMILY)}")
-    family = _ARCH_FAMILY[arch]
+    if arch not in _ARCH_FAMILY and arch not in _HYBRID_ARCHS:
+        raise ValueError(f"unknown GGUF architecture {arch!r}; known: {', '.join([*_ARCH_FAMILY, *_HYBRID_ARCHS])}")
     names = {t.name: t for t in reader.tensors}
 
     def meta(key: str, default: Any = ...) -> Any:
@@ -129,14 +133,34 @@ def gguf_config(reader: gguf.GGUFReader, *, dtype: str = "float32", scan_layers:
             return default
         return v
 
+    src = "GGUF metadata"
+    check_dims(src, width=(f"{arch}.embedding_length", meta("embedding_length")),
+               heads=(f"{arch}.attention.head_count", meta("attention.head_count")))
+    if arch in _HYBRID_ARCHS:
+        from jaxllm.loading.gguf_hybrid import hybrid_gguf_config
+
+        return hybrid_gguf_config(reader, arch, meta, dtype=dtype, scan_layers=scan_layers)
+    family = _ARCH_FAMILY[arch]
     d_model = int(meta("embedding_length"))
     n_heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", d_model // n_heads))
+    n_layers = meta("block_count")
+    check_dims(src, head_dim=(f"{arch}.attention.key_length", head_dim), layers=(f"{arch}.block_count", n_layers),
+               kv_heads=(f"{arch}.attention.head_count_kv", meta("attention.head_count_kv", n_heads)),
+               ffn=(f"{arch}.feed_forward_length", meta("feed_forward_length", 0)),
+               context=(f"{arch}.context_length", meta("context_length", 4096)))
+    check_heads(src, n_heads, int(meta("attention.head_count_kv", n_heads)))
+    blocks = {int(m[1]) for t in names if (m := re.match(r"blk\.(\d+)\.", t))}
+    if blocks and len(blocks) != int(n_layers):
+        raise ValueError(f"{src}: {arch}.block_count = {n_layers} but the file has tensors for {len(blocks)} blocks")
+    for key, default in (("attention.layer_norm_rms_epsilon", 1e-6), ("rope.freq_base", 10000.0)):
+        check_positive_finite(src, f"{arch}.{key}", _f32(meta(key, default)))
     tokens = reader.get_field("tokenizer.ggml.tokens")
     if "token_embd.weight" not in names:
         raise ValueError("GGUF file has no token_embd.weight tensor")
     # ne[1] of the embedding is authoritative; the token list can be padded differently.
     vocab = int(names["token_embd.weight"].shape[1])
+    check_dims(src, vocab=("token_embd.weight rows", vocab))
     if tokens is not None and len(tokens.data) != vocab:
         warnings.warn(f"GGUF token list has {len(tokens.data)} entries, embedding has {vocab} rows", stacklevel=3)
     theta = _f32(meta("rope.freq_base", 10000.0))
@@ -229,8 +253,16 @@ def load_gguf_model(
     """
     reader = open_gguf(path)
     cfg = gguf_config(reader, dtype=dtype, scan_layers=scan_layers)
-    permuted = _field(reader, "general.architecture") == "llama"
+    arch = _field(reader, "general.architecture")
+    permuted = arch == "llama"
     asm = ParamAssembler(cfg)
+    if cfg.is_hybrid:
+        from jaxllm.loading.gguf_hybrid import hybrid_block_tensor, warn_unloaded_mtp
+
+        warn_unloaded_mtp(cfg, arch, int(_field(reader, f"{arch}.block_count")))
+        block_tensor: Any = lambda i, name, w: hybrid_block_tensor(asm, cfg, arch, f"blk.{i}.{name}", w)
+    else:
+        block_tensor = lambda i, name, w: _block_tensor(asm, cfg, permuted, i, name, w)
     unknown: list[str] = []
     for t in tqdm(reader.tensors, desc="loading gguf", unit="tensor", disable=not progress):
         try:
@@ -245,8 +277,10 @@ def load_gguf_model(
             asm.put("lm_head", linear(w))
         elif t.name == "rope_freqs.weight":
             pass  # folded into cfg.rope_scaling by gguf_config
-        elif (m := _BLOCK.match(t.name)) and _block_tensor(asm, cfg, permuted, int(m[1]), m[2], w):
+        elif (m := _BLOCK.match(t.name)) and block_tensor(int(m[1]), m[2], w):
             pass
+        elif cfg.is_hybrid and m and int(m[1]) >= cfg.n_layers:
+            pass  # an MTP block (warned about above)
         else:
             unknown.append(t.name)
     if unknown:

@@ -14,7 +14,7 @@ Differences from the dense families that change numbers, all resolved here at lo
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -158,6 +158,20 @@ def hybrid_layer_tensor(asm: ParamAssembler, cfg: ModelConfig, layer: int, name:
     """Stores one `model.layers.{layer}.*` tensor; False when the name is not known."""
     kind, i = kind_index(cfg, layer)
     return _block_tensor(asm, cfg, f"layers.{kind}", kind, i, name, w)
+
+
+def without_absent_mtp(cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """The config with `mtp_layers` = 0 when the checkpoint ships no `mtp.*` tensor at all.
+
+    Configs of the family declare their MTP head (`mtp_num_hidden_layers`), but transformers
+    drops `mtp.*` on load, so anything re-saved through it (and some quantized exports) keeps
+    the key without the weights: those load as before, without the head (`params.mtp` None).
+    A head that is only partly there still fails in `ParamAssembler.finish`, naming the
+    missing tensors.
+    """
+    if cfg.mtp_layers and not any(n.startswith("mtp.") for n in names):
+        return cfg.replace(mtp_layers=0)
+    return cfg
 
 
 def mtp_tensor(asm: ParamAssembler, cfg: ModelConfig, name: str, w: np.ndarray) -> bool:

@@ -79,6 +79,8 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     d = dict(d)
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if "layer_types" in d:  # JSON gives a list; the config must stay hashable (static under jit)
+        d["layer_types"] = tuple(d["layer_types"])
     return ModelConfig(**d)
 
 

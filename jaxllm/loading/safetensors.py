@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig, config_from_hf
 from jaxllm.loading.assemble import ParamAssembler, heads_bias, heads_in, heads_out, linear
-from jaxllm.loading.hf_hybrid import centred, hybrid_layer_tensor, mtp_tensor
+from jaxllm.loading.hf_hybrid import centred, hybrid_layer_tensor, mtp_tensor, without_absent_mtp
+from jaxllm.loading.checks import check_dims, check_heads, check_positive_finite
 from jaxllm.params import Params
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -124,6 +125,22 @@ def _layer_tensor(asm: ParamAssembler, cfg: ModelConfig, i: int, name: str, w: n
     return False
 
 
+def check_hf_config(hf: dict[str, Any]) -> None:
+    """The shape keys config.json has, before config_from_hf divides by them (see loading.checks)."""
+    src = "config.json"
+    roles = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "hidden_size": "width",
+             "num_hidden_layers": "layers", "vocab_size": "vocab", "intermediate_size": "ffn",
+             "max_position_embeddings": "context", "head_dim": "head_dim"}
+    for key, role in roles.items():
+        if hf.get(key) is not None:
+            check_dims(src, **{role: (key, hf[key])})
+    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if heads and kv:
+        check_heads(src, int(heads), int(kv))
+    if "rms_norm_eps" in hf:
+        check_positive_finite(src, "rms_norm_eps", hf["rms_norm_eps"])
+
+
 def load_safetensors_model(
     model_dir: str | Path, *, dtype: str = "float32", scan_layers: bool = True, progress: bool = True
 ) -> tuple[ModelConfig, Params]:
@@ -146,11 +163,15 @@ def load_safetensors_model(
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
-    cfg = config_from_hf(read_hf_config(model_dir), dtype=dtype, scan_layers=scan_layers)
+    hf = read_hf_config(model_dir)
+    check_hf_config(hf)
+    cfg = config_from_hf(hf, dtype=dtype, scan_layers=scan_layers)
+    files = _shard_files(model_dir)
+    cfg = without_absent_mtp(cfg, (k for p in files for k in safe_open(str(p), framework="numpy").keys()))
     asm = ParamAssembler(cfg)
     unknown: list[str] = []
     layer_tensor = hybrid_layer_tensor if cfg.is_hybrid else _layer_tensor
-    for name, get in _iter_tensors(_shard_files(model_dir), progress):
+    for name, get in _iter_tensors(files, progress):
         name = _WRAPPED.sub("model.", name)
         if _VISION.match(name):
             continue  # the vision tower of a multimodal checkpoint: text only here

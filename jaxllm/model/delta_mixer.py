@@ -60,15 +60,21 @@ def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segme
 
 def _advance(
     qkv: jax.Array, b: jax.Array, a: jax.Array, p: DeltaNetParams, conv0: jax.Array, delta0: jax.Array,
-    seg: Segments, cfg: ModelConfig, *, chunked: bool,
+    seg: Segments, cfg: ModelConfig, *, chunked: bool, snapshots: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Advances the sequences of `seg` over their tokens.
 
-    Returns: (core output [R, Tw, Hv, Dv], new conv windows, new delta matrices).
+    Returns: (core output [R, Tw, Hv, Dv], new conv windows, new delta matrices); with
+    `snapshots` the states after each token instead ([R, Tw, ...]: index j holds the state
+    after j + 1 tokens), for speculative verification to keep the one at the accepted length.
     """
     Hk, Hv, Dk = cfg.linear_n_k_heads, cfg.linear_n_v_heads, cfg.linear_k_dim
     x = qkv[seg.rows].astype(jnp.float32)  # [R, Tw, C]
     y, conv = causal_conv(x, conv0, p.conv.astype(jnp.float32), seg.lengths)
+    if snapshots:  # the window after j + 1 tokens: the last Kc - 1 inputs of (window ++ x[:j + 1])
+        both = jnp.concatenate([conv0.astype(jnp.float32), x], axis=1)
+        width = conv0.shape[1]
+        conv = jnp.stack([both[:, j + 1 : j + 1 + width] for j in range(x.shape[1])], axis=1)
     R, Tw = x.shape[:2]
     q, k, v = jnp.split(y, [Hk * Dk, 2 * Hk * Dk], axis=-1)
     # Each key head serves Hv / Hk consecutive value heads.
@@ -82,6 +88,14 @@ def _advance(
     # Padding positions must leave the delta-rule matrix as it is.
     beta = jnp.where(seg.valid[..., None], beta, 0.0)
     decay = jnp.where(seg.valid[..., None], decay, 0.0)
+    if snapshots:  # token by token, keeping every state (verification segments are short)
+        outs, deltas, delta = [], [], delta0
+        for j in range(Tw):
+            s = slice(j, j + 1)
+            out_j, delta = gated_delta_recurrent(q[:, s], k[:, s], v[:, s], decay[:, s], beta[:, s], delta)
+            outs.append(out_j)
+            deltas.append(delta)
+        return jnp.concatenate(outs, axis=1), conv, jnp.stack(deltas, axis=1)
     if chunked:
         out, delta = gated_delta_chunked(q, k, v, decay, beta, delta0, chunk=_DELTA_CHUNK)
     else:
@@ -97,6 +111,8 @@ def delta_mixer(
     decode: Segments,
     chunks: Segments | None,
     cfg: ModelConfig,
+    *,
+    snapshots: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One DeltaNet layer over the round.
 
@@ -109,8 +125,11 @@ def delta_mixer(
     Returns:
       ([T, D] output, new conv windows [R, Kc-1, C], new delta matrices [R, Hv, Dk, Dv]) with
       R = decode sequences + chunk segments, in that order (targets: `decode.targets`, then
-      `chunks.targets`).
+      `chunks.targets`). With `snapshots` (rounds without decode rows: verification), the
+      segments' states after each of their tokens, [R, Tw, ...].
     """
+    if snapshots and decode.slots.shape[0]:
+        raise ValueError("snapshots are for rounds of segments only (no decode rows)")
     T = h.shape[0]
     qkv = project(h, p.w_qkv)  # [T, C]
     z = project(h, p.w_z)  # [T, Hv, Dv]
@@ -121,7 +140,8 @@ def delta_mixer(
     for seg, chunked in ((decode, False), (chunks, True)):
         if seg is None or not seg.slots.shape[0]:
             continue
-        out, conv, delta = _advance(qkv, b, a, p, conv_all[seg.slots], delta_all[seg.slots], seg, cfg, chunked=chunked)
+        out, conv, delta = _advance(qkv, b, a, p, conv_all[seg.slots], delta_all[seg.slots], seg, cfg, chunked=chunked,
+                                    snapshots=snapshots)
         rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
         core = core.at[rows].set(out, mode="drop")
         convs.append(conv)

@@ -17,7 +17,6 @@ from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_a
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference, place_decode_rows
 from jaxllm.config import ModelConfig
 from jaxllm.model import matvec_cpu
-from jaxllm.model.decode_chain import DecodeLookups, chain_kernel, chain_layer, raw_projection_attends
 from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, matmul_kernel, norm_kernel
 from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.params import LayerParams, MoeParams, Params
@@ -33,6 +32,23 @@ class TokenBatch:
     positions: jax.Array  # [T] i32
     decode: Windows  # one-token windows; window i is row i (the batch's first rows)
     chunks: Windows  # multi-token windows (prompt chunks)
+
+
+@struct.dataclass
+class DecodeLookups:
+    """What decode attention reads per window, the same for every layer: looked up once."""
+
+    pages: jax.Array  # [W, n_ctx_pages] i32 page ids of each decode window's slot
+    cached: jax.Array  # [W] i32 cached positions (0 for windows that do not decode)
+
+
+def raw_projection_attends(lp: LayerParams, batch: TokenBatch) -> bool:
+    """Whether decode attention can read q/k/v straight from the fused qkv projection's output
+    (rotating them itself): a decode-only round, and nothing between projection and RoPE (no
+    qkv bias, no q/k norm)."""
+    a = lp.attn
+    only_decode = batch.decode.slot.shape[0] and not batch.chunks.slot.shape[0]
+    return bool(only_decode) and a.wqkv is not None and a.bq is None and a.q_norm is None
 
 
 def _layer(
@@ -262,14 +278,7 @@ def forward(
     else:
         ks, vs, per_layer = [], [], []
         for i, lp in enumerate(params.layers):
-            # Unrolled layers only: the chain's carried MLP output is [S, T, D] partials.
-            pipeline = chain_kernel(cfg, lp, batch)
-            if pipeline is not None:
-                x, pending, (k, v), e = chain_layer(
-                    x, pending, kv, i, lp, batch, lookups, cfg, interpret=pipeline == "interpret"
-                )
-            else:
-                x, pending, (k, v), e = _layer(x, pending, kv, i, lp, batch, **kwargs)
+            x, pending, (k, v), e = _layer(x, pending, kv, i, lp, batch, **kwargs)
             ks.append(k)
             vs.append(v)
             per_layer.append(e)

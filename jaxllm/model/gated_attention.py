@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.model.forward import TokenBatch, attend
-from jaxllm.model.decode_chain import DecodeLookups
+from jaxllm.model.forward import DecodeLookups, TokenBatch, attend
 from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq
 from jaxllm.params import GatedAttentionParams
 from jaxllm.state import KVCache, to_kv_dtype

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxllm.config import LINEAR_ATTENTION, ModelConfig
-from jaxllm.model.decode_chain import DecodeLookups
 from jaxllm.model.delta_mixer import Segments, delta_mixer, round_segments
-from jaxllm.model.forward import TokenBatch, _after, write_kv
+from jaxllm.model.forward import DecodeLookups, TokenBatch, _after, write_kv
 from jaxllm.model.gated_attention import gated_attention
 from jaxllm.model.layers import dense_mlp, moe_mlp, rms_norm
 from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params
@@ -51,12 +51,15 @@ def hybrid_forward(
     *,
     chunk_len: int,
     n_ctx_pages: int,
-) -> tuple[jax.Array, KVCache, RecurrentState | None, jax.Array]:
+    snapshots: bool = False,
+) -> tuple[jax.Array, KVCache, RecurrentState | StateSnapshots | None, jax.Array]:
     """Runs every layer, then writes the round's K/V and recurrent state.
 
     Returns:
       (final-normed hidden [T, D], the cache, the recurrent state, tokens per expert
-      [L, E] or [L, 0], in layer order).
+      [L, E] or [L, 0], in layer order). With `snapshots` (a round of segments only, see
+      `delta_mixer`) the recurrent state is left as it was and the third item holds each
+      segment's states after every one of its tokens, for the caller to pick from.
     """
     layers = params.layers
     x = params.embed[batch.tokens].astype(cfg.jnp_dtype)
@@ -89,7 +92,8 @@ def hybrid_forward(
             if kind == LINEAR_ATTENTION:
                 lp = jax.tree.map(lambda w, i=i_lin: w[i], lin)
                 index = g * n_lin + i_lin
-                x, (conv, delta), e = block(x, lp, lambda h: delta_mixer(h, lp.mixer, recurrent, index, decode, chunks, cfg))
+                x, (conv, delta), e = block(x, lp, lambda h: delta_mixer(h, lp.mixer, recurrent, index, decode, chunks, cfg,
+                                                                     snapshots=snapshots))
                 new_conv.append(conv)
                 new_delta.append(delta)
                 i_lin += 1
@@ -119,6 +123,8 @@ def hybrid_forward(
     # The writes must follow every read of the cache and the state; see `forward._after`.
     batch = batch.replace(positions=_after(batch.positions, hidden))
     kv = write_kv(kv, flat(k_new), flat(v_new), batch, page_table)
+    if snapshots:
+        return hidden, kv, StateSnapshots(targets=_targets(decode, chunks), conv=flat(conv), delta=flat(delta)), flat(experts)
     if recurrent is not None and conv is not None:
         targets = _after(_targets(decode, chunks), hidden)
         recurrent = RecurrentState(
@@ -126,6 +132,24 @@ def hybrid_forward(
             delta=recurrent.delta.at[:, targets].set(flat(delta)),
         )
     return hidden, kv, recurrent, flat(experts)
+
+
+@struct.dataclass
+class StateSnapshots:
+    """Recurrent states of a round's segments after each of their tokens."""
+
+    targets: jax.Array  # [R] slot of each segment (the trash row where it has no tokens)
+    conv: jax.Array  # [Ll, R, Tw, Kc - 1, C]
+    delta: jax.Array  # [Ll, R, Tw, Hv, Dk, Dv]
+
+    def keep(self, recurrent: RecurrentState, n_tokens: jax.Array) -> RecurrentState:
+        """`recurrent` with each segment's state after its first `n_tokens[r]` (>= 1) tokens."""
+        pick = lambda a: jnp.take_along_axis(  # noqa: E731
+            a, (n_tokens - 1).reshape(1, -1, *([1] * (a.ndim - 2))), axis=2)[:, :, 0]
+        return RecurrentState(
+            conv=recurrent.conv.at[:, self.targets].set(pick(self.conv).astype(recurrent.conv.dtype)),
+            delta=recurrent.delta.at[:, self.targets].set(pick(self.delta)),
+        )
 
 
 def _targets(decode: Segments, chunks: Segments | None) -> jax.Array:

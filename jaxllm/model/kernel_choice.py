@@ -4,6 +4,8 @@ model config and the round's token count; everything here is static (trace-time)
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jaxllm.attention import paged_decode_cpu
@@ -11,6 +13,25 @@ from jaxllm.config import ModelConfig
 from jaxllm.model import matvec_cpu, rms_norm_kernel
 from jaxllm.model.layers import rms_norm
 from jaxllm.pallas_triton import kernels_available
+
+
+# The one debug hook for kernel choices: ModelConfig fields forced for A/B runs and bug hunts,
+# e.g. JAXLLM_DEBUG_KERNELS="decode_attention=reference,decode_matmul=xla".
+DEBUG_ENV = "JAXLLM_DEBUG_KERNELS"
+_DEBUG_FIELDS = ("decode_attention", "decode_matmul", "decode_norm", "sampler_branches")
+
+
+def debug_overrides(text: str | None = None) -> dict[str, str]:
+    """The kernel choices `$JAXLLM_DEBUG_KERNELS` (or `text`) forces, as ModelConfig fields;
+    {} when unset. Values are checked by ModelConfig."""
+    text = os.environ.get(DEBUG_ENV, "") if text is None else text
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in _DEBUG_FIELDS:
+            raise ValueError(f"{DEBUG_ENV}: expected name=value with name in {', '.join(_DEBUG_FIELDS)}, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out
 
 
 # Rounds of at most this many tokens run the residual add and RMSNorm as one Pallas kernel
@@ -32,32 +53,20 @@ def norm_kernel(cfg: ModelConfig, n_tokens: int) -> str | None:
 def add_rms_norm(
     x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float, *, kernel: str | None
 ) -> tuple[jax.Array, jax.Array]:
-    """(x + delta, rms_norm(x + delta)) by the Pallas kernel or by XLA (`norm_kernel`); delta
-    may be float32 split partials [S, T, D] of a projection (see `jaxllm.model.decode_chain`)."""
+    """(x + delta, rms_norm(x + delta)) by the Pallas kernel or by XLA (`norm_kernel`)."""
     if kernel is not None:
         return rms_norm_kernel.add_rms_norm(x, delta, weight, eps=eps, interpret=kernel == "interpret")
-    if delta is not None and delta.ndim == 3:
-        delta = delta.sum(axis=0).astype(x.dtype)
     if delta is not None:
         x = x + delta
     return x, rms_norm(x, weight, eps)
 
 
-# Rounds of at most this many tokens run their projections through the matvec kernel: on
-# an H200 it beat XLA's GEMV at one row (8B shapes: 4.28 vs 4.60 ms per step's chain) and lost
-# at 8 and 64 rows (benchmarks/matvec_check.py).
-MATVEC_MAX_ROWS = 1
-
-
 def matmul_kernel(cfg: ModelConfig, n_tokens: int) -> str:
-    """Which `project` kernel this round's projections use (see ModelConfig.decode_matmul)."""
-    if cfg.decode_matmul == "auto":
-        return "cpu" if n_tokens <= matvec_cpu.MAX_ROWS and matvec_cpu.available(cfg.dtype) else "xla"
-    if n_tokens > MATVEC_MAX_ROWS or cfg.decode_matmul == "xla":
-        return "xla"
-    if cfg.decode_matmul == "interpret":
-        return "interpret"
-    return "pallas" if kernels_available(cfg.dtype) else "xla"
+    """Which `project` kernel this round's projections use (see ModelConfig.decode_matmul):
+    "cpu" (the C++ kernel) or "xla"."""
+    if cfg.decode_matmul == "auto" and n_tokens <= matvec_cpu.MAX_ROWS and matvec_cpu.available(cfg.dtype):
+        return "cpu"
+    return "xla"
 
 
 def decode_attention_kernel(cfg: ModelConfig) -> str | None:

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.model.matvec import matvec
 from jaxllm.model.matvec_cpu import matmul_cpu
+from jaxllm.model.moe_kernels import moe_ffn, moe_kernel
 from jaxllm.params import DenseMlpParams, MoeParams
 
 
@@ -70,10 +70,9 @@ class LayerSlice:
 def project(x: jax.Array, w: jax.Array | LayerSlice, n_contract: int = 1, *, kernel: str = "xla") -> jax.Array:
     """x's last `n_contract` axes times w's first ones, e.g. [T, D] x [D, H, Dh] -> [T, H, Dh].
 
-    kernel "xla" is XLA's dot; "pallas" / "interpret" run the Pallas matvec kernel, "cpu" the
-    C++ one, on the free 2-D views of x and w (rounds of a few tokens; see
-    `jaxllm.model.matvec` and `jaxllm.model.matvec_cpu`). A `LayerSlice` w goes to the C++
-    kernel as its whole stack.
+    kernel "xla" is XLA's dot; "cpu" the C++ matmul on the free 2-D views of x and w (rounds of
+    a few tokens; see `jaxllm.model.matvec_cpu`). A `LayerSlice` w goes to the C++ kernel as its
+    whole stack.
     """
     if isinstance(w, LayerSlice) and kernel != "cpu":
         raise ValueError("a LayerSlice weight is for the CPU kernel")
@@ -83,10 +82,9 @@ def project(x: jax.Array, w: jax.Array | LayerSlice, n_contract: int = 1, *, ker
     shape = stack.shape[1:] if layer is not None else stack.shape  # one layer's matrix
     lead, inner = x.shape[: x.ndim - n_contract], math.prod(shape[:n_contract])
     x2 = x.reshape(-1, inner)
-    if kernel == "cpu":
-        out = matmul_cpu(x2, stack.reshape(*stack.shape[: stack.ndim - len(shape)], inner, -1), layer=layer)
-    else:
-        out = matvec(x2, stack.reshape(inner, -1), interpret=kernel == "interpret")
+    if kernel != "cpu":
+        raise ValueError(f"unknown projection kernel {kernel!r}")
+    out = matmul_cpu(x2, stack.reshape(*stack.shape[: stack.ndim - len(shape)], inner, -1), layer=layer)
     return out.reshape(*lead, *shape[n_contract:])
 
 
@@ -100,7 +98,9 @@ def dense_mlp(x: jax.Array, p: DenseMlpParams, *, kernel: str = "xla") -> jax.Ar
     return project(jax.nn.silu(gate) * up, p.w_down, kernel=kernel)
 
 
-def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+def moe_mlp(
+    x: jax.Array, p: MoeParams, cfg: ModelConfig, valid: jax.Array, *, kernel: str | None = "auto"
+) -> tuple[jax.Array, jax.Array]:
     """Top-k routed experts with a grouped matmul: compute scales with tokens per expert.
 
     Args:
@@ -108,6 +108,9 @@ def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig, valid: jax.Array) -> t
       p: one layer's MoE params.
       cfg: config (experts, top-k, normalisation).
       valid: [T] bool, False for padding tokens (they are routed but not counted).
+      kernel: "pallas" / "interpret" run the experts through `jaxllm.model.moe_kernels` (which
+        read only routed experts' weights), None through `jax.lax.ragged_dot` (on CUDA, XLA
+        makes that a dense dot over every expert); "auto" picks (`moe_kernel`).
 
     Returns:
       ([T, D] output, [E] number of valid tokens routed to each expert).
@@ -119,6 +122,12 @@ def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig, valid: jax.Array) -> t
     top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    counted = jnp.where(jnp.repeat(valid, k), 1, 0)
+    expert_tokens = jnp.zeros((E,), jnp.int32).at[top_e.reshape(-1)].add(counted)
+    kernel = moe_kernel(x.dtype, D, p.w_gate.shape[-1]) if kernel == "auto" else kernel
+    if kernel is not None:
+        out = moe_ffn(x, top_e, top_w, p.w_gate, p.w_up, p.w_down, interpret=kernel == "interpret")
+        return out, expert_tokens
     flat_e = top_e.reshape(-1)  # [T*k]
     order = jnp.argsort(flat_e, stable=True)
     token_of = order // k
@@ -129,6 +138,4 @@ def moe_mlp(x: jax.Array, p: MoeParams, cfg: ModelConfig, valid: jax.Array) -> t
     out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p.w_down, group_sizes)  # [T*k, D]
     weights = top_w.reshape(-1)[order].astype(out_sorted.dtype)
     out = jnp.zeros((T, D), out_sorted.dtype).at[token_of].add(out_sorted * weights[:, None])
-    counted = jnp.where(jnp.repeat(valid, k), 1, 0)
-    expert_tokens = jnp.zeros((E,), jnp.int32).at[flat_e].add(counted)
     return out.astype(x.dtype), expert_tokens

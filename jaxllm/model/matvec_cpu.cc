@@ -2,8 +2,8 @@
 // calls (see matvec_cpu.py).
 //
 // A decode step of a small model on a CPU is a chain of matrix-vector products: it can go no
-// faster than one pass over the weights. XLA's CPU dot for one row measured about 80% of the
-// speed of a plain reduction over the same bytes; these kernels stream each weight row once,
+// faster than one pass over the weights. XLA's CPU dot for one row is slower than a plain
+// reduction over the same bytes (docs/lab/2026-12.md); these kernels stream each weight row once,
 // in memory order, several rows at a time, accumulating in float32, and split the weight
 // into contiguous runs of rows across XLA's intra-op thread pool. Up to 8 activation rows
 // (decode rounds); past that XLA's dot is faster.
@@ -21,7 +21,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;  // beyond this XLA's dot measured faster (M = 16 on 2 cores)
+constexpr int64_t kMaxRows = 8;  // beyond this XLA's dot is faster (matvec_cpu.MAX_ROWS)
 constexpr int64_t kRowAlign = 16;  // parts of the transposed product start on a cache line
 constexpr int64_t kMinRowsPerPart = 256;
 constexpr int64_t kMinDinPerPart = 64;

@@ -1,8 +1,8 @@
 """Products of a few rows with a weight matrix on the CPU: C++ XLA FFI kernels (`matvec_cpu.cc`).
 
 For decode rounds of the CPU backend in float32 (`ModelConfig.decode_matmul = "auto"`): XLA's
-CPU dot for one row streamed the weights at about 80% of a plain reduction's speed, and a
-small model's decode step is little else. Built on first use (`jaxllm.cpu_ffi`); XLA's dot
+CPU dot for one row streams the weights slower than a plain reduction (docs/lab/2026-12.md),
+and a small model's decode step is little else. Built on first use (`jaxllm.cpu_ffi`); XLA's dot
 is the oracle (`tests/jaxllm/test_matvec_cpu.py`).
 """
 
@@ -19,7 +19,7 @@ from jaxllm import cpu_ffi
 _SOURCE = Path(__file__).with_name("matvec_cpu.cc")
 _MATMUL = "jaxllm_matmul_f32"
 _MATMUL_T = "jaxllm_matmul_transposed_f32"
-MAX_ROWS = 8  # rows the kernels take; past that XLA's dot measured faster (16 rows, 2 cores)
+MAX_ROWS = 8  # rows the kernels take; past that XLA's dot is faster (docs/lab/2026-12.md)
 
 
 def _library() -> ctypes.CDLL | None:

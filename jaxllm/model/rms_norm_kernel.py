@@ -3,7 +3,7 @@
 A decode round has a handful of rows, so every normalisation is a launch-bound sliver of
 work. XLA runs each RMSNorm as two kernels (the mean-square reduction, then the scaling) and
 the residual add in a third or inside one of them; at 32 layers x 2 norms that is ~200
-kernels of 1.3-3 us per step of an 8B model on an H200. Here one program per row does all of
+launch-bound kernels per step of an 8B model (docs/lab/2026-12.md). Here one program per row does all of
 it: x + delta (rounded to x's dtype, the residual stream), then HF's RMSNorm of that sum.
 
 Rows are loaded whole (the model width padded to a power of two and masked), so any width
@@ -29,13 +29,7 @@ def _kernel(x_ref, delta_ref, w_ref, sum_ref, out_ref, *, eps: float, width: int
     cols = pl.ds(0, block)
     x = plgpu.load(x_ref.at[t, cols], mask=live, other=0)
     if delta_ref is not None:
-        if len(delta_ref.shape) == 3:  # float32 split partials of a product: summed, then
-            # rounded like the product XLA would have returned in x's dtype.
-            parts = [plgpu.load(delta_ref.at[jnp.int32(i), t, cols], mask=live, other=0)
-                     for i in range(delta_ref.shape[0])]
-            delta = functools.reduce(jnp.add, parts).astype(x_ref.dtype)
-        else:
-            delta = plgpu.load(delta_ref.at[t, cols], mask=live, other=0)
+        delta = plgpu.load(delta_ref.at[t, cols], mask=live, other=0)
         x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x_ref.dtype)
         plgpu.store(sum_ref.at[t, cols], x, mask=live)
     x32 = x.astype(jnp.float32)
@@ -50,15 +44,13 @@ def add_rms_norm(
     x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, eps: float, interpret: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """(x + delta, rms_norm(x + delta) * weight) for x, delta [T, D]; without delta, (x, norm).
-    delta may also be float32 split partials [S, T, D] of a projection (see `matvec(partials=
-    True)`): summed here and rounded to x's dtype before the add.
 
     Same arithmetic as `jaxllm.model.layers.rms_norm` (float32 statistics, the normalised
     row rounded to x's dtype before the weight) up to the order of the mean's summation.
     """
     T, D = x.shape
     out_dtype = jnp.result_type(weight.dtype, x.dtype)
-    if delta is not None and delta.ndim == 2:
+    if delta is not None:
         delta = delta.astype(x.dtype)
     operands = [x] + ([] if delta is None else [delta]) + [weight]
     outs = ([] if delta is None else [jax.ShapeDtypeStruct((T, D), x.dtype)]) + [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,18 @@ def test_boundary_inside_a_token_is_dropped(tok: Tokenizer) -> None:
     assert render_chat(template, messages).message_ends == [6, 8]
 
 
+def test_a_long_conversation_renders_a_bounded_number_of_prefixes() -> None:
+    # Rendering every prefix costs the square of the conversation: a few hundred messages took
+    # the server's event loop for tens of seconds. Ends come from the first and last messages.
+    renders: list[int] = []
+    template = "{% set _ = tick() %}{% for m in messages %}{{ m.content }};{% endfor %}"
+    messages = [{"role": "user", "content": str(i)} for i in range(100)]
+    rendered = render_chat(template, messages, tick=lambda: renders.append(1) or "")
+    assert len(renders) == 1 + 8
+    lengths = [sum(len(str(i)) + 1 for i in range(k)) for k in range(1, 101)]
+    assert rendered.message_ends == lengths[:4] + lengths[-4:]
+
+
 def test_rewritten_history_has_no_boundary() -> None:
     # Earlier turns render differently once a later turn exists (like templates that
     # drop old reasoning), so those prefixes are not boundaries.
@@ -169,3 +182,18 @@ def test_synthetic_tokenizer_template() -> None:
     prompt = tokenize_chat(syn, [{"role": "user", "content": "t5 t6"}])
     assert prompt.text.endswith("assistant ")
     assert prompt.ids[-2:] != [] and len(prompt.message_boundaries) == 1
+
+
+@pytest.mark.parametrize("template,why", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+    ("{{ 1/0 }}", "ZeroDivisionError"),
+    ("{{ 'x' * 100000000 }}", "repeats"),
+    ("{{ 7 ** 100000000 > 5 }}", "power"),
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "characters"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+])
+def test_a_runaway_template_is_a_chat_template_error(template: str, why: str) -> None:
+    tracer = sys.gettrace()
+    with pytest.raises(ChatTemplateError, match=why):
+        render_chat(template, [{"role": "user", "content": "hi"}])
+    assert sys.gettrace() is tracer  # the step counter is gone

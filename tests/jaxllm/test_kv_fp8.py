@@ -7,7 +7,6 @@ attention over exactly those rounded keys and values.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -114,7 +113,7 @@ def test_decode_paths_over_an_fp8_cache_match_numpy():
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
 
     kernel = paged_decode_attention(q, k_new, v_new, k_pages, v_pages, jnp.asarray(pages), jnp.asarray(cached),
-                                    interpret=True, pages_per_block=4)
+                                    interpret=True, _pages_per_block=4)
     assert kernel.dtype == jnp.float32
     np.testing.assert_allclose(kernel, want, rtol=1e-5, atol=1e-5)
 
@@ -128,11 +127,11 @@ def test_kernel_over_an_fp8_cache_with_bfloat16_queries():
     q = jnp.asarray(rng.normal(size=(W, H, DH)), jnp.bfloat16)
     k_new, v_new = _fp8(rng, (W, K, DH)), _fp8(rng, (W, K, DH))
     args = (k_new, v_new, k_pages, v_pages, jnp.asarray(pages), jnp.asarray(cached))
-    got = paged_decode_attention(q, *args, interpret=True, pages_per_block=4)
+    got = paged_decode_attention(q, *args, interpret=True, _pages_per_block=4)
     assert got.dtype == jnp.bfloat16
     want = _decode_oracle(_wide(q.astype(jnp.float32)), _wide(k_new), _wide(v_new), k_pages, v_pages, pages, cached)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
-    huge = paged_decode_attention(q * 1e6, *args, interpret=True, pages_per_block=4)
+    huge = paged_decode_attention(q * 1e6, *args, interpret=True, _pages_per_block=4)
     assert np.isfinite(np.asarray(huge, np.float32)).all()
 
 
@@ -144,8 +143,8 @@ def _rotate_half(x: np.ndarray, angles: np.ndarray) -> np.ndarray:
 
 
 def test_kernel_from_the_projection_rounds_the_fresh_kv_through_the_pool():
-    """The fused-projection kernel rotates the fresh key itself: it must attend to (and hand
-    the cache write) the key and value as the 8-bit cache will hold them, saturated."""
+    """The fused-projection kernel rotates the fresh key itself: it must attend to the key and
+    value as the 8-bit cache will hold them, saturated."""
     rng, cached, pages, k_pages, v_pages = _decode_inputs(2)
     W = len(cached)
     qkv = rng.normal(size=(W, H + 2 * K, DH)) * 3
@@ -159,16 +158,11 @@ def test_kernel_from_the_projection_rounds_the_fresh_kv_through_the_pool():
     v_fresh = np.clip(qkv[:, H + K :], -448, 448).astype(ml_dtypes.float8_e4m3fn)
     want = _decode_oracle(q, _wide(k_fresh), _wide(v_fresh), k_pages, v_pages, pages, cached)
 
-    out, k_out, v_out = paged_decode_attention_qkv(
+    out = paged_decode_attention_qkv(
         jnp.asarray(qkv, jnp.float32), jnp.asarray(positions), jnp.asarray(inv_freq, jnp.float32), k_pages, v_pages,
-        jnp.asarray(pages), jnp.asarray(cached), n_heads=H, interpret=True, return_kv=True,
+        jnp.asarray(pages), jnp.asarray(cached), n_heads=H, interpret=True,
     )
-    assert k_out.dtype == FP8 and out.dtype == jnp.float32
-    assert float(_wide(k_out)[0, 0, 0]) == 448.0
-    # The rotation runs in float32 on both sides; a float8 step is ~6%, so rounding agrees
-    # except where a value sits on a rounding boundary (none at this seed).
-    np.testing.assert_array_equal(_wide(k_out), _wide(k_fresh))
-    np.testing.assert_array_equal(_wide(v_out), _wide(v_fresh))
+    assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 

@@ -16,7 +16,7 @@ from jaxllm.config import ModelConfig, load_config_json
 from jaxllm.loading import detect_format, load_model
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.gguf import load_gguf_model
-from jaxllm.loading.orbax_io import load_orbax_model, restore_pytree, save_model, save_pytree
+from jaxllm.loading.orbax_io import restore_pytree, save_model, save_pytree
 from jaxllm.loading.safetensors import load_safetensors_model
 from jaxllm.params import Params, canonical_params, layout_params, param_shapes
 
@@ -325,3 +325,68 @@ def test_dummy_allocates_tiny(tmp_path: Path) -> None:
                                   "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24}))
     cfg2, p2 = load_model(str(preset), fmt="dummy", dtype="bfloat16")
     assert cfg2.dtype == "bfloat16" and p2.embed.dtype == jnp.bfloat16
+
+
+def _gguf_with(path: Path, **meta: object) -> Path:
+    """A llama GGUF with sane shape metadata, `meta` overriding it, and two blocks' tensors."""
+    from jaxllm.loading.gguf import gguf_config, open_gguf  # noqa: F401 - the readers under test
+
+    values = {"embedding_length": 32, "attention.head_count": 4, "attention.head_count_kv": 2, "block_count": 2,
+              "feed_forward_length": 48, "context_length": 64, "attention.layer_norm_rms_epsilon": 1e-6, **meta}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in values.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"llama.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones((32,), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("meta,key", [
+    ({"attention.head_count": 0}, "head_count"),
+    ({"block_count": 100000}, "block_count"),
+    ({"block_count": 3}, "block_count"),
+    ({"attention.head_count_kv": 3}, "key/value heads"),
+    ({"embedding_length": 0}, "embedding_length"),
+    ({"attention.layer_norm_rms_epsilon": float("nan")}, "epsilon"),
+    ({"context_length": 0}, "context_length"),
+])
+def test_gguf_shape_metadata_is_checked_on_load(tmp_path: Path, meta: dict, key: str) -> None:
+    from jaxllm.loading.gguf import gguf_config, open_gguf
+
+    assert gguf_config(open_gguf(_gguf_with(tmp_path / "ok.gguf"))).n_layers == 2
+    with pytest.raises(ValueError, match=key):
+        gguf_config(open_gguf(_gguf_with(tmp_path / "bad.gguf", **meta)))
+
+
+@pytest.mark.parametrize("override,key", [({"num_attention_heads": 0}, "num_attention_heads"),
+                                          ({"num_hidden_layers": 100000}, "num_hidden_layers"),
+                                          ({"rms_norm_eps": -1.0}, "rms_norm_eps")])
+def test_config_json_shapes_are_checked_on_load(hf_dirs: dict[str, Path], tmp_path: Path, override: dict,
+                                                key: str) -> None:
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(hf_dirs["llama"], model)
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, **override}))
+    with pytest.raises(ValueError, match=key):
+        load_safetensors_model(model, progress=False)
+
+
+def test_cli_reports_a_damaged_safetensors_file_in_one_line(hf_dirs: dict[str, Path], tmp_path: Path, capsys) -> None:
+    import shutil
+
+    from jaxllm.cli import main
+
+    model = tmp_path / "m"
+    shutil.copytree(hf_dirs["llama"], model)
+    for f in model.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    assert main(["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxllm: error: invalid safetensors file") and "Traceback" not in err

@@ -54,7 +54,7 @@ def _reference(q, k_new, v_new, k_pages, v_pages, pages, cached_len):
 def test_kernel_matches_reference(H, K, pages_per_block, n_splits, grid_order):
     args = _inputs(H * 10 + K, H, K)
     ours = paged_decode_attention(
-        *args, interpret=True, pages_per_block=pages_per_block, n_splits=n_splits, grid_order=grid_order
+        *args, interpret=True, _pages_per_block=pages_per_block, _n_splits=n_splits, _grid_order=grid_order
     )
     assert ours.shape == args[0].shape and ours.dtype == args[0].dtype
     np.testing.assert_allclose(ours, _reference(*args), rtol=1e-5, atol=1e-5)
@@ -66,7 +66,7 @@ def test_stacked_layers_pick_one_layer():
     k_stack = jnp.stack([k_pages * 0 + 7, k_pages, k_pages * 0 - 3])
     v_stack = jnp.stack([v_pages * 0 + 5, v_pages, v_pages * 0 - 1])
     ours = paged_decode_attention(
-        q, k_new, v_new, k_stack, v_stack, pages, cached, layer=jnp.int32(1), interpret=True, pages_per_block=4
+        q, k_new, v_new, k_stack, v_stack, pages, cached, layer=jnp.int32(1), interpret=True, _pages_per_block=4
     )
     np.testing.assert_allclose(ours, _reference(q, k_new, v_new, k_pages, v_pages, pages, cached), rtol=1e-5, atol=1e-5)
 
@@ -74,7 +74,7 @@ def test_stacked_layers_pick_one_layer():
 def test_dead_pages_do_not_leak():
     """Rows past cached_len are never used, even if their pages hold non-finite garbage."""
     q, k_new, v_new, k_pages, v_pages, pages, cached = _inputs(7, 6, 2)
-    ours = paged_decode_attention(q, k_new, v_new, k_pages, v_pages, pages, cached, interpret=True, pages_per_block=4)
+    ours = paged_decode_attention(q, k_new, v_new, k_pages, v_pages, pages, cached, interpret=True, _pages_per_block=4)
     # Poison every position past each window's length in its own pages, and the trash page.
     k_bad, v_bad = np.array(k_pages), np.array(v_pages)
     k_bad[0] = v_bad[0] = np.nan
@@ -85,7 +85,7 @@ def test_dead_pages_do_not_leak():
                 lo = max(0, n - i * PAGE)
                 k_bad[page, lo:] = v_bad[page, lo:] = np.inf
     poisoned = paged_decode_attention(
-        q, k_new, v_new, jnp.asarray(k_bad), jnp.asarray(v_bad), pages, cached, interpret=True, pages_per_block=4
+        q, k_new, v_new, jnp.asarray(k_bad), jnp.asarray(v_bad), pages, cached, interpret=True, _pages_per_block=4
     )
     np.testing.assert_allclose(poisoned, ours, rtol=0, atol=0)
 
@@ -94,8 +94,8 @@ def test_windows_that_do_not_decode_are_zeros():
     """`window_live` zeroes whole windows and leaves the others exactly as without it."""
     args = _inputs(11, 6, 2)
     live = jnp.asarray([1, 0, 1, 0, 1], jnp.int32)
-    full = paged_decode_attention(*args, interpret=True, pages_per_block=4, n_splits=2)
-    ours = paged_decode_attention(*args, window_live=live, interpret=True, pages_per_block=4, n_splits=2)
+    full = paged_decode_attention(*args, interpret=True, _pages_per_block=4, _n_splits=2)
+    ours = paged_decode_attention(*args, window_live=live, interpret=True, _pages_per_block=4, _n_splits=2)
     np.testing.assert_array_equal(ours, jnp.where(live[:, None, None] > 0, full, 0))
     assert np.all(np.abs(np.asarray(full)[np.asarray(live) == 0]) > 0)
 
@@ -120,33 +120,9 @@ def test_fused_projection_input_with_rope(dtype, tol):
     assert not np.allclose(np.asarray(ours, np.float32), np.asarray(unrotated, np.float32), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_projection_partials_and_the_fresh_kv_for_the_cache(dtype):
-    """float32 split partials [S, W, H + 2K, Dh] of the projection attend like their sum
-    rounded to the pool's dtype, and `return_kv` hands back that k rotated and that v."""
-    H, K = 6, 2
-    q, k_new, v_new, k_pages, v_pages, pages, cached = _inputs(17, H, K, dtype)
-    rng = np.random.default_rng(18)
-    parts = jnp.asarray(rng.normal(size=(3, len(CACHED), H + 2 * K, DH)), jnp.float32)
-    qkv = parts.sum(axis=0).astype(dtype)
-    inv_freq = 1.0 / (500.0 ** (jnp.arange(DH // 2, dtype=jnp.float32) * 2 / DH))
-    kw = dict(n_heads=H, interpret=True)
-    out, k_cache, v_cache = paged_decode_attention_qkv(
-        parts, cached, inv_freq, k_pages, v_pages, pages, cached, return_kv=True, **kw
-    )
-    summed = paged_decode_attention_qkv(qkv, cached, inv_freq, k_pages, v_pages, pages, cached, **kw)
-    assert out.dtype == k_cache.dtype == v_cache.dtype == dtype
-    # The partials are added in another order than XLA's sum: equal up to that rounding.
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
-    close = lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)  # noqa: E731
-    close(out, summed)
-    close(k_cache, apply_rope(qkv[:, H:H + K], cached, inv_freq))
-    close(v_cache, qkv[:, H + K:])
-
-
 def test_bfloat16_close_to_reference():
     args = _inputs(3, 6, 2, jnp.bfloat16)
-    ours = paged_decode_attention(*args, interpret=True, pages_per_block=4, n_splits=2)
+    ours = paged_decode_attention(*args, interpret=True, _pages_per_block=4, _n_splits=2)
     assert ours.dtype == jnp.bfloat16
     ref = _reference(*args)
     np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)

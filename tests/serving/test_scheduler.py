@@ -417,3 +417,47 @@ def test_worker_death_is_never_silent(loop):
     assert sched.ready is False
     errors = [f for f in frames(loop, j) if isinstance(f, Error)]
     assert errors and errors[0].status == 503 and "worker died" in errors[0].message
+
+
+def test_host_code_error_fails_only_its_request(loop):
+    """An exception in one request's text pipeline (here the detokenizer) fails that request with
+    a 500 and frees its slot; the worker goes on and the other request finishes."""
+    sched, engine, _ = make(Limits())
+
+    class Exploding(FakeDetok):
+        def feed(self, t):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+
+    good = FakeTok()
+    sched.tok = SimpleNamespace(eos_ids=good.eos_ids, decode=good.decode, id_to_piece=good.id_to_piece,
+                                detokenizer=lambda skip_special_tokens=True: Exploding())
+    bad = job(sched, loop, "bad")
+    sched.run_once()  # admitted with the exploding detokenizer
+    sched.tok = good
+    ok = job(sched, loop, "ok")
+    run_until_idle(sched)
+    errors = [f for f in frames(loop, bad) if isinstance(f, Error)]
+    assert errors and errors[0].status == 500 and "UnicodeDecodeError" in errors[0].message
+    assert isinstance(frames(loop, ok)[-1], Done)
+    assert sched.totals["host_errors"] == 1 and sched.reserved == 0 and not engine.seqs and len(engine.free_slots) == 4
+
+
+def test_slots_held_by_no_request_turn_health_stuck(loop):
+    """An engine that keeps a slot after a failed add: the worker reports it cannot admit
+    everything (the server's /health then answers 503 with the reason)."""
+    sched, engine, _ = make(Limits())
+    real_add = engine.add
+
+    def leaky_add(prompt, params, **kw):
+        engine.free_slots.pop(0)
+        raise OverflowError("top_k out of range")
+
+    engine.add = leaky_add
+    j = job(sched, loop, "a")
+    run_until_idle(sched)
+    assert any(isinstance(f, Error) for f in frames(loop, j))
+    assert sched.stuck and "1 of 4 sequence slots" in sched.stuck and sched.metrics.state["stuck"] == sched.stuck
+    engine.add = real_add
+    engine.free_slots = list(range(4))
+    sched.run_once()
+    assert sched.stuck is None

@@ -163,6 +163,13 @@ def test_hermes_schema_mismatch_keeps_the_call_and_counts_it():
     assert run.reason is FallbackReason.NONE
 
 
+def test_hermes_unresolvable_ref_in_a_schema_counts_as_mismatch_not_an_exception():
+    schema = {"type": "object", "properties": {"home": {"$ref": "#/properties/arguments/$defs/A"}}}
+    run = decode(call("g", {"home": {"city": "Rome"}}), tools={"g": schema})
+    assert run.calls == [("g", {"home": {"city": "Rome"}})]
+    assert run.terminal.diagnostics.schema_mismatch_arguments == 1
+
+
 @pytest.mark.parametrize(
     "block", [call("f"), call("f", None), '<tool_call>{"name": "f", "arguments": null}</tool_call>', call("f", "")]
 )

@@ -1,6 +1,6 @@
 """Starts `jaxllm serve` on a tiny random-weight llama with the SmolLM2 tokenizer (tests).
 
-    python -m tests.serving.tiny_server --port P --config C [--api-key K] [--profile-dir D]
+    python -m tests.serving.tiny_server --port P --config C [--api-key K] [--api-key-file F] [--profile-dir D]
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--config", required=True)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key-file", default=None)
     p.add_argument("--profile-dir", default=None)
     a = p.parse_args()
     return serve(tiny_model, model_name="tiny", host="127.0.0.1", port=a.port, config=a.config, api_key=a.api_key,
-                 profile_dir=a.profile_dir)
+                 profile_dir=a.profile_dir, api_key_file=a.api_key_file)
 
 
 if __name__ == "__main__":

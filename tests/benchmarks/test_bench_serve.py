@@ -1,4 +1,4 @@
-"""Smoke test of `jaxllm bench serve` against the real tiny server (random llama, SmolLM2 tokenizer)."""
+"""Smoke test of `python -m benchmarks.bench_serve` against the real tiny server (random llama, SmolLM2 tokenizer)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from serving import bench_serve
-from serving.cli import _alias_bench_serve, build_parser, main
+from benchmarks import bench_serve
+from benchmarks.bench_serve import build_parser, main
 from tests.serving.launch import running_server
 
 KEY = "bench-key"
@@ -35,7 +35,7 @@ def server(tmp_path_factory):
 
 def test_bench_serve_json(server, capsys):
     out = server["tmp"] / "result.json"
-    rc = main(["bench", "serve", "--port", str(server["port"]), "--api-key", KEY, "--input-len", "16",
+    rc = main(["--port", str(server["port"]), "--api-key", KEY, "--input-len", "16",
                "--output-len", "8", "--num-prompts", "6", "--concurrency", "3", "--request-rate", "50",
                "--vocab-size", "49152", "--json", str(out)])
     assert rc == 0
@@ -63,7 +63,7 @@ def test_profile_trace_and_utilisation(server):
     from tests.serving.tiny_server import tiny_model
 
     out = server["tmp"] / "profiled.json"
-    rc = main(["bench", "serve", "--port", str(server["port"]), "--api-key", KEY, "--input-len", "16",
+    rc = main(["--port", str(server["port"]), "--api-key", KEY, "--input-len", "16",
                "--output-len", "8", "--num-prompts", "2", "--concurrency", "1", "--vocab-size", "49152",
                "--profile", "--peak-bandwidth", "100", "--peak-tflops", "2", "--json", str(out)])
     assert rc == 0
@@ -85,12 +85,9 @@ def test_profile_trace_and_utilisation(server):
     assert 0 < u["run_mfu"] < 1
 
 
-def test_both_spellings_parse():
-    p = build_parser()
-    a = p.parse_args(["bench-serve", "--num-prompts", "3"])
+def test_parser():
+    a = build_parser().parse_args(["--num-prompts", "3"])
     assert a.func is bench_serve.run_bench_serve and a.num_prompts == 3
-    assert _alias_bench_serve(["bench", "serve", "--port", "1"]) == ["bench-serve", "--port", "1"]
-    assert _alias_bench_serve(["bench", "--repeats", "1"]) == ["bench", "--repeats", "1"]  # the engine bench
 
 
 def test_overhead_engine_vs_http(server):

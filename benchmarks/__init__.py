@@ -1,0 +1,1 @@
+"""Benchmarks and load-testing clients: outside the runtime (`jaxllm/`) and the server (`serving/`)."""

@@ -1,0 +1,157 @@
+"""The multi-token-prediction (MTP) head of the hybrid family (Qwen3-Next, Qwen3.5).
+
+The head drafts the token after next from what the target model already computed: for row
+t it reads the target's hidden state at position t and the token at t + 1, and predicts the
+token at t + 2. Semantics follow vLLM's `qwen3_next_mtp.py` / `qwen3_5_mtp.py` and its
+EAGLE-style proposer (`v1/spec_decode/llm_base_proposer.py`):
+
+- `hidden` is the target's *final-normed* hidden state, the same tensor its lm_head reads
+  (vLLM's target model returns `norm(x)` and the proposer passes that on), i.e. what
+  `hybrid_forward` returns; no pre-norm residual is needed.
+- x = fc([norm_e(embed(token at t + 1)) ; norm_h(hidden at t)]), the embedding half first
+  (the checkpoint's `mtp.fc.weight` is [D, 2D], its first D input columns read the
+  embedding); then one pre-norm full-attention block (gated attention, partial RoPE, the
+  model's MLP kind), the head's own final norm and the *model's* lm_head.
+- The block's attention runs at position t (the hidden state's position, not the token's):
+  the proposer shifts the tokens by one and keeps the target's positions.
+- k > 1 drafts chain: draft j + 1 reads draft j's token and the head's own output hidden
+  (after its final norm, the tensor the logits came from) at position p + j + 1, and its
+  attention sees the rows of the drafts before it (vLLM writes them to the head's K/V cache).
+
+No cache here: attention is causal among the rows handed in, in row order, so the rows must
+be consecutive positions of one sequence. Given the whole sequence this equals vLLM's head
+(whose K/V cache holds every earlier row); given a suffix, the rows before it are not seen.
+RoPE makes scores depend on position differences only, so without a cache an offset in
+`positions` changes nothing; it starts to matter once the head's K/V are cached.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.model.forward import lm_head
+from jaxllm.model.hybrid import block_mlp
+from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq
+from jaxllm.params import GatedAttentionParams, MtpParams, Params
+
+
+def _causal_gated_attention(h: jax.Array, p: GatedAttentionParams, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gated attention (as `gated_attention`) of [T, D] normed rows over themselves, causal
+    by row order; no cache, since the head's K/V exist only for the rows it is given."""
+    eps = cfg.rms_eps
+    q = rms_norm(project(h, p.wq), p.q_norm, eps)  # [T, H, Dh]
+    k = rms_norm(project(h, p.wk), p.k_norm, eps)  # [T, K, Dh]
+    v = project(h, p.wv)  # [T, K, Dh]
+    gate = project(h, p.w_gate)  # [T, H, Dh]
+    inv_freq = rope_inv_freq(cfg)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    # [1, T, H, Dh]; grouped K/V heads are shared by H / K query heads, softmax scale 1/sqrt(Dh)
+    attn = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
+    return project(attn, p.wo, 2)  # [T, D]
+
+
+def _mtp(params: Params, cfg: ModelConfig) -> MtpParams:
+    if params.mtp is None or not cfg.mtp_layers:
+        raise ValueError("this model has no MTP head (the checkpoint ships no mtp.* tensors)")
+    return params.mtp
+
+
+def mtp_forward(
+    params: Params,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    next_tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    layer: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """Draft logits for the token two ahead of each row, for T consecutive rows of one sequence.
+
+    Args:
+      params: the model's params with `params.mtp` (the head; embed and lm_head are the model's).
+      cfg: config (static under jit).
+      hidden: [T, D] the target model's final-normed hidden state at positions t.
+      next_tokens: [T] int, the token at t + 1 (the one the target sampled from that state).
+      positions: [T] int, t (consecutive, ascending: attention is causal by row order).
+      layer: which MTP layer runs (static); vLLM's draft step j runs layer j % mtp_layers.
+
+    Returns:
+      (float32 logits [T, V] for the token at t + 2, the head's hidden [T, D] after its final
+      norm, which the next draft in a chain reads in place of the target's hidden).
+    """
+    mtp = _mtp(params, cfg)
+    dt, eps = cfg.jnp_dtype, cfg.rms_eps
+    emb = rms_norm(params.embed[next_tokens].astype(dt), mtp.norm_embedding, eps)  # [T, D]
+    hid = rms_norm(hidden.astype(dt), mtp.norm_hidden, eps)  # [T, D]
+    x = project(jnp.concatenate([emb, hid], axis=-1), mtp.fc)  # [T, 2D] x [2D, D] -> [T, D]
+    lp = jax.tree.map(lambda w: w[layer], mtp.block)
+    x = x + _causal_gated_attention(rms_norm(x, lp.attn_norm, eps), lp.mixer, positions, cfg)
+    valid = jnp.ones(x.shape[:1], bool)
+    out, _ = block_mlp(rms_norm(x, lp.mlp_norm, eps), lp.mlp, cfg, valid)
+    x = x + out
+    head_hidden = rms_norm(x, mtp.final_norm, eps)  # [T, D]
+    return lm_head(params, head_hidden), head_hidden
+
+
+def mtp_draft(
+    params: Params,
+    cfg: ModelConfig,
+    hidden_last: jax.Array,
+    token: jax.Array,
+    position: jax.Array,
+    k: int,
+) -> tuple[jax.Array, jax.Array]:
+    """k greedy drafts for one sequence, chained through the head's own hidden state.
+
+    Draft 0 is `mtp_forward` on the given rows, read at the last one; draft j + 1 appends a
+    row (the head's hidden of the row before, draft j as its token, the next position) and
+    is read there. Rows attend causally to every earlier row, the given ones included, as
+    the drafts of vLLM's proposer attend to the head's K/V cache; this equals k calls of
+    `mtp_forward` on the growing rows.
+
+    Args:
+      params, cfg: as `mtp_forward` (cfg static); the head must have one layer (the shipped
+        checkpoints': with several, vLLM's steps use different layers whose caches differ).
+      hidden_last: [D] the target's final-normed hidden at the last accepted position p,
+        or [T, D] for the last T positions (context the drafts' attention sees).
+      token: [] or [T] int, the token at p + 1 (at each row's position + 1).
+      position: [] or [T] int, p (each row's position).
+      k: drafts to make (static, >= 1).
+
+    Returns:
+      (draft tokens [k] int32 for positions p + 2 .. p + k + 1, their float32 logits [k, V]).
+    """
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    if cfg.mtp_layers != 1:
+        raise ValueError(f"mtp_draft chains a one-layer head; this model's has {cfg.mtp_layers}")
+    hidden = jnp.atleast_2d(hidden_last)  # [T, D]
+    tokens = jnp.atleast_1d(token).astype(jnp.int32)  # [T]
+    positions = jnp.atleast_1d(position).astype(jnp.int32)  # [T]
+    T, D = hidden.shape
+    n = T + k - 1  # rows of the whole chain; row T - 1 + j yields draft j
+    # Later rows start as zeros: causal attention keeps them from the rows read so far, and
+    # each MLP row (routed experts included) depends on its own row only.
+    hid_buf = jnp.zeros((n, D), cfg.jnp_dtype).at[:T].set(hidden.astype(cfg.jnp_dtype))
+    tok_buf = jnp.zeros((n,), jnp.int32).at[:T].set(tokens)
+    pos_buf = jnp.concatenate([positions, positions[-1] + 1 + jnp.arange(k - 1, dtype=jnp.int32)])
+    V = cfg.vocab_size
+
+    def step(j, carry):
+        hid_buf, tok_buf, drafts, logits_out = carry
+        logits, head_hidden = mtp_forward(params, cfg, hid_buf, tok_buf, pos_buf)
+        row = T - 1 + j
+        draft = jnp.argmax(logits[row]).astype(jnp.int32)
+        nxt = jnp.minimum(row + 1, n - 1)  # the last step writes nowhere new (k - 1 chain rows)
+        write = row + 1 < n
+        hid_buf = jnp.where(write, hid_buf.at[nxt].set(head_hidden[row]), hid_buf)
+        tok_buf = jnp.where(write, tok_buf.at[nxt].set(draft), tok_buf)
+        return hid_buf, tok_buf, drafts.at[j].set(draft), logits_out.at[j].set(logits[row])
+
+    init = (hid_buf, tok_buf, jnp.zeros((k,), jnp.int32), jnp.zeros((k, V), jnp.float32))
+    _, _, drafts, logits = jax.lax.fori_loop(0, k, step, init)
+    return drafts, logits

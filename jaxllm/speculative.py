@@ -1,0 +1,76 @@
+"""Draft sources for speculative decoding, and the per-sequence control of how many to draft.
+
+Verification is `jaxllm.steps.verify`: it accepts exactly the drafts that decoding without
+drafts would have produced, so a draft source only changes the speed, never the tokens.
+
+Prompt lookup (n-gram) drafting needs no weights: when the last few tokens appeared earlier in
+the prompt or the output, the tokens that followed them then are proposed now. Edits, code
+and quotes repeat a lot of their input; open-ended chat rarely does, so drafting turns itself
+down per sequence when its drafts stop being accepted (`DraftControl`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
+    n-gram of `tokens` (n from `max_ngram` down to `min_ngram`); [] without one."""
+    if k <= 0 or len(tokens) <= min_ngram:
+        return []
+    arr = np.asarray(tokens, np.int64)
+    for n in range(min(max_ngram, len(arr) - 1), min_ngram - 1, -1):
+        suffix = arr[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every n-gram that has a successor
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the latest occurrence: the most local context
+            return arr[start : start + k].tolist()
+    return []
+
+
+@dataclasses.dataclass
+class DraftControl:
+    """How many tokens one sequence drafts next.
+
+    Starts at the most allowed; all accepted -> one more, none accepted -> one fewer. At zero
+    the sequence rests for `rest` plain tokens, then tries one draft again, so a chat that
+    never repeats pays for one wasted verification in `rest` tokens.
+    """
+
+    most: int
+    k: int = -1
+    resting: int = 0
+    rest: int = 16
+    proposed: int = 0  # drafts verified so far
+    accepted: int = 0
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            self.k = self.most
+
+    def wanted(self) -> int:
+        return 0 if self.resting > 0 else self.k
+
+    def plain_tokens(self, n: int) -> None:
+        """`n` tokens came without drafting."""
+        if self.resting > 0:
+            self.resting = max(0, self.resting - n)
+            if self.resting == 0:
+                self.k = 1
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        if proposed == 0:
+            return
+        if accepted == proposed:
+            self.k = min(self.most, self.k + 1)
+        elif accepted == 0:
+            self.k -= 1
+            if self.k <= 0:
+                self.k, self.resting = 0, self.rest
