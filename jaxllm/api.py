@@ -18,6 +18,7 @@ import numpy as np
 from jaxllm.chat_template import tokenize_chat
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine_runs import Completion, kv_bytes, round_up
 from jaxllm.loading import load_model
 from jaxllm.model.forward import lm_head
 from jaxllm.model.kernel_choice import debug_overrides
@@ -25,15 +26,6 @@ from jaxllm.params import Params
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import StateLayout, page_row
 from jaxllm.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[float]
 
 
 @dataclasses.dataclass
@@ -62,7 +54,7 @@ class Model:
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         longest = max(len(i) for i in ids) + params.max_tokens
         engine = engine or self.engine(
-            EngineConfig(max_slots=max(1, len(ids)), max_seq_len=_round_up(longest, 64), kv_bytes=_kv_bytes(self.cfg, len(ids), longest))
+            EngineConfig(max_slots=max(1, len(ids)), max_seq_len=round_up(longest, 64), kv_bytes=kv_bytes(self.cfg, len(ids), longest))
         )
         pending = list(enumerate(ids))
         running: dict[int, tuple[int, object]] = {}
@@ -108,17 +100,6 @@ class Model:
         probs = jax.nn.softmax(self.logits(ids)[-1])
         order = np.argsort(-np.asarray(probs))[:top]
         return [(self.tokenizer.decode([int(i)], skip_special_tokens=False), float(probs[i])) for i in order]
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _kv_bytes(cfg: ModelConfig, n_seqs: int, length: int, page_size: int = 16) -> int:
-    from jaxllm.state import kv_bytes_per_page
-
-    pages = n_seqs * (-(-length // page_size) + 1) + 2
-    return pages * kv_bytes_per_page(cfg, page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -28,15 +28,15 @@ a function of (seed, position) like the draw's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-if TYPE_CHECKING:
-    from jaxllm.sampling import SamplingParams
+# `jaxllm.sampling.SamplingParams` (that module imports this one, so not back).
+SamplingParams = Any
 
 DRY_MAX_MATCH = 32
 _NEG = -jnp.inf

@@ -29,8 +29,9 @@ import numpy as np
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import SeqCheckpoint
 
+from jaxllm.engine_runs import Completion, Model, research_engine, run_rows
+
 if TYPE_CHECKING:
-    from jaxllm.api import Completion, Model
     from jaxllm.engine import Engine
 
 _META = "sequence_state.json"
@@ -142,7 +143,6 @@ def state_engine(model: Model, n_slots: int, n_positions: int) -> Engine:
     """An engine for states: a research engine (`jaxllm.research.compare.research_engine`)
     of at least 8 slots, a power of two, so prefills, continuations and comparisons of
     similar sizes share compiled rounds."""
-    from jaxllm.research.compare import research_engine
 
     slots = max(8, 1 << max(n_slots - 1, 0).bit_length())
     return research_engine(model, slots, n_positions, max_slots=slots)
@@ -186,7 +186,6 @@ def generate_from(model: Model, states: SequenceState | Sequence[SequenceState],
     Each continuation re-feeds its state's last token and samples as a fresh prefill of the
     same tokens with the same seed would. `params` is one for all or one per state.
     """
-    from jaxllm.research.compare import run_rows
 
     single = isinstance(states, SequenceState)
     states = [states] if single else list(states)

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jaxllm.api import Completion, Model, _kv_bytes, _round_up
-from jaxllm.engine import Engine, EngineConfig
-from jaxllm.research import metrics
+import jaxllm.research.metrics as metrics
+from jaxllm.api import Model
+from jaxllm.engine_runs import research_engine, round_up, run_rows
 from jaxllm.research.tasks import Task
 from jaxllm.sampling import SamplingParams
 
@@ -49,53 +49,10 @@ def prepare_prompt(model: Model, prompt: Prompt) -> PreparedPrompt:
     return PreparedPrompt(label=model.tokenizer.decode(ids), ids=ids)
 
 
-def research_engine(model: Model, n_rows: int, longest: int, *, max_slots: int = 32,
-                    logits_processors: tuple = ()) -> Engine:
-    """An engine sized for `n_rows` sequences of up to `longest` positions, research samplers on."""
-    slots = max(1, min(n_rows, max_slots))
-    longest = _round_up(longest, 64)  # engines of similar runs share shapes, so compilations
-    # Prompts are packed side by side into prefill chunks: on the CPU a comparison's many
-    # short prompts would otherwise take a round each.
-    return model.engine(EngineConfig(
-        max_slots=slots, max_seq_len=longest, kv_bytes=_kv_bytes(model.cfg, slots, longest),
-        chunk_buckets=(64, 256), chunk_segments=4, extra_samplers=True, logits_processors=tuple(logits_processors)))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Sample:
-    """A finished row: the completion and the model's entropy at each of its steps."""
-
-    completion: Completion
-    entropies: list[float]
-
-
-def run_rows(model: Model, engine: Engine, rows: Sequence[tuple]) -> list[Sample]:
-    """Generates every (prompt ids, params) or (prompt ids, params, checkpoint of all but the
-    prompt's last token) row, admitting rows as slots free up."""
-    pending = list(enumerate(rows))
-    running: dict[int, object] = {}
-    results: dict[int, Sample] = {}
-    while pending or running:
-        while pending and engine.can_admit(len(pending[0][1][0]) + pending[0][1][1].max_tokens):
-            index, (ids, params, *rest) = pending.pop(0)
-            ckpt = rest[0] if rest else None
-            running[index] = engine.add(ids, params, checkpoint=ckpt, cached_tokens=len(ids) - 1 if ckpt is not None else 0)
-        engine.step()
-        for index, seq in list(running.items()):
-            if seq.finish_reason is not None:
-                completion = Completion(prompt_token_ids=seq.prompt, token_ids=list(seq.generated),
-                                        text=model.tokenizer.decode(seq.generated),
-                                        finish_reason=seq.finish_reason, logprobs=list(seq.logprobs))
-                results[index] = Sample(completion=completion, entropies=list(seq.entropies))
-                engine.remove(seq)
-                del running[index]
-    return [results[i] for i in range(len(rows))]
-
-
 def sequence_logits(model: Model, ids: Sequence[int], bucket: int = 64) -> np.ndarray:
     """[len(ids), V] logits, the prompt padded to a multiple of `bucket` (causal attention:
     padding after the sequence changes none of its rows) so lengths share compilations."""
-    padded = list(ids) + [0] * (_round_up(len(ids), bucket) - len(ids))
+    padded = list(ids) + [0] * (round_up(len(ids), bucket) - len(ids))
     return model.logits(padded)[: len(ids)]
 
 

@@ -16,7 +16,8 @@ from jaxllm.config import ModelConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.research import compare, frontier, make_tasks, pareto_front
 from jaxllm.research import metrics, tasks
-from jaxllm.research.compare import research_engine, run_rows, sequence_logits
+from jaxllm.engine_runs import research_engine, run_rows
+from jaxllm.research.compare import sequence_logits
 from jaxllm.sampling import SamplingParams, sample, sampling_row
 from jaxllm.tokenizer import Tokenizer
 
