@@ -190,7 +190,7 @@ def engine_config(model: Any, concurrency: int, args: argparse.Namespace) -> Any
     return EngineConfig(
         max_slots=concurrency,
         max_seq_len=max_seq_len,
-        kv_bytes=pages * kv_bytes_per_page(model.cfg, defaults.page_size),
+        kv_bytes=pages * kv_bytes_per_page(model.cfg, defaults.page_size, model.options),
         decode_steps_per_call=steps_per_call,
     )
 

@@ -24,6 +24,7 @@ from jaxllm.costs import model_costs
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.params import layout_params, unfuse_projections
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import kv_bytes_per_page
 
@@ -73,13 +74,13 @@ def kernel_parity() -> dict[str, float]:
     return {"cudnn_vs_reference_rel_err": float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))}
 
 
-def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
+def engine_for(cfg, opts: RuntimeOptions, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
     pages = slots * (-(-max_seq_len // 16) + 1) + 4
     config = EngineConfig(
-        max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16), max_seq_len=max_seq_len,
+        max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16, opts), max_seq_len=max_seq_len,
         chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps,
     )
-    return Engine(cfg, params, eos_ids=[], config=config)
+    return Engine(cfg, params, eos_ids=[], config=config, options=opts)
 
 
 def prefill(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list:
@@ -117,7 +118,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
-    ap.add_argument("--kv-dtype", default="auto", help="ModelConfig.kv_dtype of every case (float8_e4m3fn: an 8-bit cache)")
+    ap.add_argument("--kv-dtype", default="auto", help="RuntimeOptions.kv_dtype of every case (float8_e4m3fn: an 8-bit cache)")
     ap.add_argument("--c-slots", default="64", help="case C's concurrent sequences, comma-separated (e.g. 16,64)")
     ap.add_argument("--c-context", type=int, default=CTX,
                     help="prompt length of case C (1536: the mean context of 64 x 1k-in/1k-out requests)")
@@ -132,13 +133,14 @@ def main() -> None:
         results.update(kernel_parity())
         print("kernel parity", results["cudnn_vs_reference_rel_err"], flush=True)
 
-    cfg = load_config_json(args.config, dtype=args.dtype, scan_layers=args.scan).replace(kv_dtype=args.kv_dtype)
+    cfg = load_config_json(args.config)
+    opts = RuntimeOptions(dtype=args.dtype, scan_layers=args.scan, kv_dtype=args.kv_dtype)
     results["kv_dtype"] = args.kv_dtype
     t = time.perf_counter()
-    params = layout_params(dummy_params(cfg), cfg.scan_layers)
+    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers)
     jax.block_until_ready(params)
     results["load_s"] = time.perf_counter() - t
-    costs = model_costs(cfg, params)
+    costs = model_costs(cfg, params, opts)
     rng = np.random.default_rng(0)
 
     # (steps per call, decode attention, decode matmul, fused projections, decode norm, sampler branches)
@@ -150,8 +152,8 @@ def main() -> None:
     runs += [(args.steps, "auto", "xla", True, "auto", "cond")] if "acond" in cases else []  # the sampler's lax.conds
     for steps, attention, matmul, fused, norm, branches in runs:
         run_params = params if fused else unfuse_projections(params)
-        run_cfg = cfg.replace(decode_attention=attention, decode_matmul=matmul, decode_norm=norm, sampler_branches=branches)
-        eng = engine_for(run_cfg, run_params, slots=1, max_seq_len=2048, chunk=1024, steps=steps)
+        run_opts = opts.replace(decode_attention=attention, decode_matmul=matmul, decode_norm=norm, sampler_branches=branches)
+        eng = engine_for(cfg, run_opts, run_params, slots=1, max_seq_len=2048, chunk=1024, steps=steps)
         t = time.perf_counter()
         prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
         first = time.perf_counter() - t
@@ -170,7 +172,7 @@ def main() -> None:
         eng = None  # free the engine before the next case
 
     if "b" in cases:
-        eng = engine_for(cfg, params, slots=1, max_seq_len=2048 + 64, chunk=2048, steps=1)
+        eng = engine_for(cfg, opts, params, slots=1, max_seq_len=2048 + 64, chunk=2048, steps=1)
         prompt = rng.integers(0, cfg.vocab_size, 2048).tolist()
 
         def one_prefill():
@@ -187,7 +189,7 @@ def main() -> None:
         eng = None  # free the engine before the next case
 
     for slots in [int(n) for n in args.c_slots.split(",")] if "c" in cases else []:
-        eng = engine_for(cfg, params, slots=slots, max_seq_len=2048 + 64, chunk=1024, steps=args.steps)
+        eng = engine_for(cfg, opts, params, slots=slots, max_seq_len=2048 + 64, chunk=1024, steps=args.steps)
         ctx = args.c_context
         sfx = "" if slots == 64 else f"_{slots}"
         prompts = [rng.integers(0, cfg.vocab_size, ctx).tolist() for _ in range(slots)]

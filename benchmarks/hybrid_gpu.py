@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxllm.config import load_config_json
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
@@ -29,17 +30,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
-    cfg = load_config_json(args.config, dtype="bfloat16")
+    cfg = load_config_json(args.config)
+    opts = RuntimeOptions(dtype="bfloat16")
     t = time.perf_counter()
-    params = dummy_params(cfg)
+    params = dummy_params(cfg, dtype=opts.dtype)
     jax.block_until_ready(params)
     print(f"{args.config}: {cfg.param_count() / 1e9:.1f}B params ready in {time.perf_counter() - t:.1f}s", flush=True)
     rng = np.random.default_rng(0)
     for slots in (int(s) for s in args.slots.split(",")):
         pages = slots * (-(-2048 // 16) + 1) + 4
-        config = EngineConfig(max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16), max_seq_len=2048,
+        config = EngineConfig(max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16, opts), max_seq_len=2048,
                               chunk_buckets=(1024,), min_ctx_pages=64, decode_steps_per_call=args.steps)
-        engine = Engine(cfg, params, config=config)
+        engine = Engine(cfg, params, config=config, options=opts)
         t = time.perf_counter()
         seqs = [engine.add(rng.integers(0, cfg.vocab_size, args.context).tolist(),
                            SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)) for _ in range(slots)]

@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     model = jx.load(args.model, dtype=args.dtype)
-    narrow = dataclasses.replace(model, cfg=model.cfg.replace(kv_dtype="float8_e4m3fn"))
+    narrow = dataclasses.replace(model, options=model.options.replace(kv_dtype="float8_e4m3fn"))
     agree = total = 0
     kl: list[float] = []
     for prompt in PROMPTS:

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from jaxllm.config import load_config_json
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.params import layout_params
@@ -31,11 +32,12 @@ def main() -> None:
     ap.add_argument("--config", default="configs/llama3-8b.json")
     ap.add_argument("--prompt-len", type=int, default=1000)
     args = ap.parse_args()
-    cfg = load_config_json(args.config, dtype="bfloat16", scan_layers=False)
-    params = layout_params(dummy_params(cfg), False)
-    config = EngineConfig(max_slots=1, kv_bytes=200 * kv_bytes_per_page(cfg, 16), max_seq_len=2048,
+    cfg = load_config_json(args.config)
+    opts = RuntimeOptions(dtype="bfloat16", scan_layers=False)
+    params = layout_params(dummy_params(cfg, dtype=opts.dtype), False)
+    config = EngineConfig(max_slots=1, kv_bytes=200 * kv_bytes_per_page(cfg, 16, opts), max_seq_len=2048,
                           chunk_buckets=(1024,), min_ctx_pages=64, decode_steps_per_call=8)
-    eng = Engine(cfg, params, eos_ids=[], config=config)
+    eng = Engine(cfg, params, eos_ids=[], config=config, options=opts)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len).tolist()
 
     def once(behind: bool) -> tuple[float, float, float]:

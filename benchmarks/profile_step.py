@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import gzip
 import json
@@ -25,6 +24,7 @@ from gpu_engine import CTX, engine_for, prefill  # noqa: E402  (benchmarks/ is o
 from jaxllm.config import load_config_json
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.params import layout_params
+from jaxllm.runtime_options import RuntimeOptions
 
 
 def summarize(trace_path: str, n_steps: int, top: int) -> None:
@@ -62,10 +62,11 @@ def main() -> None:
     ap.add_argument("--sampler-branches", default="auto", choices=["auto", "cond", "select"])
     args = ap.parse_args()
 
-    cfg = load_config_json(args.config, dtype=args.dtype, scan_layers=False)
-    cfg = dataclasses.replace(cfg, decode_matmul=args.decode_matmul, sampler_branches=args.sampler_branches)
-    params = layout_params(dummy_params(cfg), cfg.scan_layers)
-    eng = engine_for(cfg, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
+    cfg = load_config_json(args.config)
+    opts = RuntimeOptions(dtype=args.dtype, scan_layers=False, decode_matmul=args.decode_matmul,
+                          sampler_branches=args.sampler_branches)
+    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers)
+    eng = engine_for(cfg, opts, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
     prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
     for _ in range(3):  # warm: every decode shape of the traced calls is compiled
         jax.block_until_ready(eng.launch().output)

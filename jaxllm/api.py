@@ -23,6 +23,7 @@ from jaxllm.loading import load_model
 from jaxllm.model.forward import lm_head
 from jaxllm.model.kernel_choice import debug_overrides
 from jaxllm.params import Params
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import StateLayout, page_row
 from jaxllm.tokenizer import Tokenizer
@@ -30,14 +31,17 @@ from jaxllm.tokenizer import Tokenizer
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: config, params, tokenizer; engines are made on demand."""
+    """A loaded model: architecture, params, tokenizer and how this machine runs it (`options`,
+    whose dtype the params are in); engines are made on demand."""
 
     cfg: ModelConfig
     params: Params
     tokenizer: Tokenizer
+    options: RuntimeOptions = RuntimeOptions()
 
     def engine(self, config: EngineConfig | None = None) -> Engine:
-        return Engine(self.cfg, self.params, eos_ids=self.tokenizer.eos_ids, config=config or EngineConfig())
+        return Engine(self.cfg, self.params, eos_ids=self.tokenizer.eos_ids, config=config or EngineConfig(),
+                      options=self.options)
 
     def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
@@ -54,7 +58,7 @@ class Model:
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         longest = max(len(i) for i in ids) + params.max_tokens
         engine = engine or self.engine(
-            EngineConfig(max_slots=max(1, len(ids)), max_seq_len=round_up(longest, 64), kv_bytes=kv_bytes(self.cfg, len(ids), longest))
+            EngineConfig(max_slots=max(1, len(ids)), max_seq_len=round_up(longest, 64), kv_bytes=kv_bytes(self.cfg, len(ids), longest, opts=self.options))
         )
         pending = list(enumerate(ids))
         running: dict[int, tuple[int, object]] = {}
@@ -93,7 +97,7 @@ class Model:
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Float32 logits [T, V] of every position of a prompt (one prefill, paged path)."""
-        return np.asarray(prompt_logits(self.params, self.cfg, jnp.asarray(list(ids), jnp.int32)))
+        return np.asarray(prompt_logits(self.params, self.cfg, jnp.asarray(list(ids), jnp.int32), self.options))
 
     def next_token_distribution(self, ids: Sequence[int], top: int = 10) -> list[tuple[str, float]]:
         """The `top` most likely next tokens after `ids`, as (piece, probability)."""
@@ -102,8 +106,8 @@ class Model:
         return [(self.tokenizer.decode([int(i)], skip_special_tokens=False), float(probs[i])) for i in order]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def prompt_logits(params: Params, cfg: ModelConfig, ids: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "opts"))
+def prompt_logits(params: Params, cfg: ModelConfig, ids: jax.Array, opts: RuntimeOptions = RuntimeOptions()) -> jax.Array:
     """Logits of every position of one prompt, computed through a one-slot paged state."""
     from jaxllm.attention.reference import Windows
     from jaxllm.model.forward import TokenBatch, forward
@@ -113,7 +117,7 @@ def prompt_logits(params: Params, cfg: ModelConfig, ids: jax.Array) -> jax.Array
     page_size = 16
     n_pages = -(-T // page_size)
     layout = StateLayout(max_slots=1, page_size=page_size, n_pages=n_pages + 1, max_pages_per_seq=n_pages)
-    state = init_state(cfg, layout)
+    state = init_state(cfg, layout, opts)
     page_table = state.page_table.at[0].set(jnp.asarray(page_row(list(range(1, n_pages + 1)), layout)))
     zero = jnp.zeros((1,), jnp.int32)
     batch = TokenBatch(
@@ -126,10 +130,10 @@ def prompt_logits(params: Params, cfg: ModelConfig, ids: jax.Array) -> jax.Array
     if cfg.is_hybrid:
         from jaxllm.model.hybrid import hybrid_forward
 
-        hidden, *_ = hybrid_forward(params, cfg, batch, state.kv, state.recurrent, page_table, chunk_len=T,
-                                    n_ctx_pages=n_pages)
+        hidden, *_ = hybrid_forward(params, cfg, batch, state.kv, state.recurrent, page_table, opts=opts,
+                                    chunk_len=T, n_ctx_pages=n_pages)
     else:
-        hidden, _, _ = forward(params, cfg, batch, state.kv, page_table, chunk_len=T, n_ctx_pages=n_pages)
+        hidden, _, _ = forward(params, cfg, batch, state.kv, page_table, opts=opts, chunk_len=T, n_ctx_pages=n_pages)
     return lm_head(params, hidden)
 
 
@@ -144,13 +148,13 @@ def load(
 ) -> Model:
     """Loads a model by name ("smollm2"), path (.gguf, HF directory, orbax directory) or preset.
 
-    `scan_layers` and `kv_dtype` are runtime choices stored on the config (see `ModelConfig`);
-    so are the kernel choices, which only the debug hook `$JAXLLM_DEBUG_KERNELS` overrides
-    (`kernel_choice.debug_overrides`).
+    `dtype`, `scan_layers` and `kv_dtype` are this machine's choices (`RuntimeOptions`), kept
+    apart from the architecture (`ModelConfig`); so are the kernel choices, which only the
+    debug hook `$JAXLLM_DEBUG_KERNELS` overrides (`kernel_choice.debug_overrides`).
     """
-    cfg, params = load_model(model, fmt=load_format, dtype=dtype, scan_layers=scan_layers, config_path=config_path)
-    cfg = cfg.replace(kv_dtype=kv_dtype, **debug_overrides())
-    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(model, load_format, cfg))
+    options = RuntimeOptions(dtype=dtype, scan_layers=scan_layers, kv_dtype=kv_dtype, **debug_overrides())
+    cfg, params = load_model(model, fmt=load_format, options=options, config_path=config_path)
+    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(model, load_format, cfg), options=options)
 
 
 def load_tokenizer(model: str, load_format: str, cfg: ModelConfig) -> Tokenizer:

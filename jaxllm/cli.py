@@ -42,7 +42,7 @@ def load_from_args(args: argparse.Namespace) -> Model:
 
 
 def _kv_dtype(name: str) -> str:
-    """--kv-cache-dtype: vLLM's spellings onto ModelConfig.kv_dtype."""
+    """--kv-cache-dtype: vLLM's spellings onto RuntimeOptions.kv_dtype."""
     known = {"auto": "auto", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
     if name not in known:
         raise argparse.ArgumentTypeError(f"unknown K/V cache dtype {name!r}; known: {', '.join(known)}")

@@ -1,4 +1,6 @@
-"""Model configuration: one frozen, hashable dataclass, static under `jit`.
+"""Model configuration: the architecture a checkpoint ships, one frozen, hashable dataclass,
+static under `jit`. How a machine runs it (dtypes, kernels, scan or unroll) is
+`jaxllm.runtime_options.RuntimeOptions`.
 
 Axis letters used across the package (documented once, here):
   B slots, T tokens (flattened ragged batch), S cache positions, P pages, L layers,
@@ -12,13 +14,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import jax.numpy as jnp
-
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next")
 # Layer kinds of hybrid families (HF `layer_types`).
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
-KV_DTYPES: tuple[str, ...] = ("auto", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,51 +68,8 @@ class ModelConfig:
     shared_expert_ffn_dim: int = 0
     # Multi-token-prediction layers shipped with the checkpoint (0 = none).
     mtp_layers: int = 0
-    # Compute dtype of activations and weights ("float32" keeps parity, "bfloat16" for speed).
-    dtype: str = "float32"
-    # lax.scan over layers compiles fast; unrolled layers run faster on the GPU.
-    scan_layers: bool = True
-    # Decode-token attention: "auto" runs the Pallas paged kernel where it compiles (GPU), the
-    # C++ one on the CPU for float32 (jaxllm.attention.paged_decode_cpu, where a compiler
-    # builds it) and the jnp reference elsewhere; "reference" forces the reference;
-    # "interpret" runs the Pallas kernel in its interpreter (CPU tests of the wiring; slow).
-    decode_attention: str = "auto"
-    # Projections (and the lm_head) of decode rounds: "auto" runs the C++ kernels on the CPU
-    # for float32 rounds of up to 8 rows (jaxllm.model.matvec_cpu; XLA's CPU dot streamed
-    # the weights slower) and XLA's dot elsewhere; "xla" always XLA's. A Pallas matvec on the
-    # GPU lost to XLA's dot inside the step and was retired (docs/lab/2026-12.md).
-    decode_matmul: str = "auto"
-    # Residual add + RMSNorm of rounds of up to 64 tokens: "auto" runs the Pallas kernel
-    # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
-    # always XLA's; "interpret" the Pallas kernel in its interpreter (CPU tests of the wiring).
-    decode_norm: str = "auto"
-    # The sampler's cheap optional parts (random draws, grammar mask): "cond" runs each only
-    # when some row needs it (`lax.cond`); "select" always runs them and selects the results.
-    # On the GPU every conditional makes the host wait for the device to read its predicate,
-    # so within a multi-step decode call the host cannot queue the next step's launch while
-    # the device runs this one; "auto" is "select" where the default backend is a GPU, "cond"
-    # elsewhere (a CPU pays for every random draw). The costly parts (filters, top logprobs)
-    # are compiled out of decode calls whose requests need neither (`sample`'s `full`).
-    sampler_branches: str = "auto"
-    # Element type of the K/V cache: "auto" is `dtype`; "float8_e4m3fn" stores keys and values
-    # in 8 bits (vLLM's `--kv-cache-dtype fp8`, unscaled: values saturate at +-448). Decode
-    # at many slots reads more K/V than weights, so this halves a bfloat16 step's largest
-    # read and doubles the positions a memory budget holds; attention still computes in
-    # `dtype` (each path widens what it reads; the GPU decode kernel multiplies an 8-bit pool
-    # in float16 under a 16-bit model, exactly), and the rounding changes the outputs.
-    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.decode_attention not in ("auto", "reference", "interpret"):
-            raise ValueError(f"decode_attention must be auto, reference or interpret, got {self.decode_attention!r}")
-        if self.decode_matmul not in ("auto", "xla"):
-            raise ValueError(f"decode_matmul must be auto or xla, got {self.decode_matmul!r}")
-        if self.decode_norm not in ("auto", "xla", "interpret"):
-            raise ValueError(f"decode_norm must be auto, xla or interpret, got {self.decode_norm!r}")
-        if self.sampler_branches not in ("auto", "cond", "select"):
-            raise ValueError(f"sampler_branches must be auto, cond or select, got {self.sampler_branches!r}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.n_heads % self.n_kv_heads:
@@ -177,15 +133,6 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
-
-    @property
-    def jnp_dtype(self) -> Any:
-        return jnp.dtype(self.dtype)
-
-    @property
-    def kv_jnp_dtype(self) -> Any:
-        """The K/V cache's element type (see `kv_dtype`)."""
-        return self.jnp_dtype if self.kv_dtype == "auto" else jnp.dtype(self.kv_dtype)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -257,7 +204,7 @@ def _hybrid_fields(hf: dict[str, Any], rope: dict[str, Any] | None) -> dict[str,
     )
 
 
-def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", scan_layers: bool = True) -> ModelConfig:
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Maps a Hugging Face `config.json` dictionary onto a ModelConfig."""
     hf = text_config(hf)
     model_type = hf.get("model_type", "")
@@ -299,13 +246,11 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", scan_layers: b
         moe_ffn_dim=hf.get("moe_intermediate_size", 0) if moe else 0,
         # Qwen3.5-MoE's router always renormalises its top-k (the key is absent there).
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        dtype=dtype,
-        scan_layers=scan_layers,
         **(_hybrid_fields(hf, rope) if family == "qwen3_next" else {}),
     )
 
 
-def load_config_json(path: str | Path, **overrides: Any) -> ModelConfig:
+def load_config_json(path: str | Path) -> ModelConfig:
     """Reads a shape preset (`configs/*.json`, HF `config.json` keys) into a ModelConfig."""
     with open(path) as f:
-        return config_from_hf(json.load(f), **overrides)
+        return config_from_hf(json.load(f))

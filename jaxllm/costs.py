@@ -13,6 +13,7 @@ import jax
 
 from jaxllm.config import ModelConfig
 from jaxllm.params import Params
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.state import kv_bytes_per_page
 
 
@@ -41,7 +42,7 @@ class ModelCosts:
         return self.layer_flops_per_token + self.head_flops_per_token + self.attention_flops_per_pair * context_positions
 
 
-def model_costs(cfg: ModelConfig, params: Params) -> ModelCosts:
+def model_costs(cfg: ModelConfig, params: Params, opts: RuntimeOptions) -> ModelCosts:
     """Costs from the params' real sizes and dtypes (host metadata only, no device reads)."""
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     embed = params.embed.size * params.embed.dtype.itemsize
@@ -53,7 +54,7 @@ def model_costs(cfg: ModelConfig, params: Params) -> ModelCosts:
     attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     return ModelCosts(
         step_weight_bytes=int(step_bytes),
-        kv_bytes_per_position=kv_bytes_per_page(cfg, 1),
+        kv_bytes_per_position=kv_bytes_per_page(cfg, 1, opts),
         layer_flops_per_token=2 * cfg.n_layers * (attn + dense_ffn),
         head_flops_per_token=2 * cfg.vocab_size * cfg.d_model,
         attention_flops_per_pair=4 * cfg.n_layers * cfg.n_heads * cfg.head_dim,

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxllm import samplers_extra, steps
 from jaxllm.config import ModelConfig
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.model.kernel_choice import plain_sampler_pays
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingParams, needs_full_sampler, sampling_row, seed_to_u32
@@ -216,22 +217,26 @@ class Engine:
     """Owns params + decode state + compiled steps; `add` / `launch` / `collect` / `remove`."""
 
     def __init__(self, cfg: ModelConfig, params: Params, *, eos_ids: Seq[int] = (), config: EngineConfig = EngineConfig(),
+                 options: RuntimeOptions = RuntimeOptions(),
                  draft_source: Callable[[list[int], int], list[int]] = prompt_lookup):
-        """`draft_source(tokens, k)` proposes up to k tokens to follow `tokens` (a sequence's
-        prompt and output so far) when `config.max_drafts` > 0."""
+        """`options` says how this machine runs the model (dtypes, kernels; the params must be
+        in `options.dtype`). `draft_source(tokens, k)` proposes up to k tokens to follow
+        `tokens` (a sequence's prompt and output so far) when `config.max_drafts` > 0."""
         self.cfg = cfg
+        self.options = options
         self.draft_source = draft_source
         self.params = params
         self.config = config
         self.eos_ids = frozenset(eos_ids)
         self.layout: StateLayout = layout_for_budget(
             cfg,
+            options,
             kv_bytes=config.kv_bytes,
             max_slots=config.max_slots,
             max_seq_len=config.max_seq_len,
             page_size=config.page_size,
         )
-        self.state = steps.new_state(cfg, self.layout)
+        self.state = steps.new_state(cfg, self.layout, options)
         if config.extra_samplers:
             self.state = self.state.replace(sampling=self.state.sampling.replace(extra=samplers_extra.empty_extra(
                 config.max_slots, cfg.vocab_size, self.layout.max_seq_len, config.logits_processors)))
@@ -424,16 +429,16 @@ class Engine:
                 chunk_len = max(size, 1)
                 out.append((("step", chunk_len, ctx, width), lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width:
                             steps.step.lower(self.params, self.state, idle, self._idle_chunk(size), cfg=self.cfg,
-                                             chunk_len=chunk_len, n_ctx_pages=ctx, decode_width=width)))
-            samplers = (True, False) if plain_sampler_pays(self.cfg) else (True,)
+                                             opts=self.options, chunk_len=chunk_len, n_ctx_pages=ctx, decode_width=width)))
+            samplers = (True, False) if plain_sampler_pays(self.options) else (True,)
             if self.config.max_drafts and width == self.config.widths()[-1]:  # verify rounds span every slot
                 for full in samplers:
                     out.append((("verify", self.config.max_drafts, ctx, full), lambda ctx=ctx, full=full:
                                 steps.verify.lower(self.params, self.state, idle, self._no_drafts(), cfg=self.cfg,
-                                                   n_ctx_pages=ctx, full_sampler=full)))
+                                                   opts=self.options, n_ctx_pages=ctx, full_sampler=full)))
             for full in samplers if n > 1 else ():
                 out.append((("decode", n, ctx, width, full), lambda ctx=ctx, width=width, full=full:
-                            steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, n_steps=n,
+                            steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, opts=self.options, n_steps=n,
                                                      n_ctx_pages=ctx, decode_width=width, full_sampler=full)))
         return out
 
@@ -557,13 +562,13 @@ class Engine:
                 s.dispatched += 1 if s.constraint is not None else n
             width = self._decode_width(decoding)
             # Slots that are not decoding draw nothing, so only the decoding ones decide.
-            full = not plain_sampler_pays(self.cfg) or any(needs_full_sampler(s.params) for s in decoding)
+            full = not plain_sampler_pays(self.options) or any(needs_full_sampler(s.params) for s in decoding)
             compiled = self._compiled.get(("decode", n, ctx, width, full))
             if compiled is not None:
                 self.state, out = compiled(self.params, self.state, inputs)
             else:
                 self.state, out = steps.decode_steps(
-                    self.params, self.state, inputs, cfg=self.cfg, n_steps=n, n_ctx_pages=ctx, decode_width=width,
+                    self.params, self.state, inputs, cfg=self.cfg, opts=self.options, n_steps=n, n_ctx_pages=ctx, decode_width=width,
                     full_sampler=full,
                 )
             return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
@@ -584,7 +589,7 @@ class Engine:
             self.state, out = compiled(self.params, self.state, inputs, chunk)
         else:
             self.state, out = steps.step(
-                self.params, self.state, inputs, chunk, cfg=self.cfg, chunk_len=chunk_len, n_ctx_pages=ctx,
+                self.params, self.state, inputs, chunk, cfg=self.cfg, opts=self.options, chunk_len=chunk_len, n_ctx_pages=ctx,
                 decode_width=width,
             )
         return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt)
@@ -624,13 +629,13 @@ class Engine:
             s.verifying = 1 + int(count[s.slot])
             s.dispatched += s.verifying
         ctx = self._ctx_pages(max(s.position_bound for s in decoding) + 1)
-        full = not plain_sampler_pays(self.cfg) or any(needs_full_sampler(s.params) for s in decoding)
+        full = not plain_sampler_pays(self.options) or any(needs_full_sampler(s.params) for s in decoding)
         d = steps.Drafts(tokens=tokens, count=count)
         compiled = self._compiled.get(("verify", K, ctx, full))
         if compiled is not None:
             self.state, out = compiled(self.params, self.state, inputs, d)
         else:
-            self.state, out = steps.verify(self.params, self.state, inputs, d, cfg=self.cfg, n_ctx_pages=ctx,
+            self.state, out = steps.verify(self.params, self.state, inputs, d, cfg=self.cfg, opts=self.options, n_ctx_pages=ctx,
                                            full_sampler=full)
         return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0,
                      drafts={s.slot: int(count[s.slot]) for s in decoding})

@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.state import kv_bytes_per_page
 
 # `model` arguments are `jaxllm.api.Model` (which imports this module): anything with cfg,
@@ -31,10 +32,10 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def kv_bytes(cfg: ModelConfig, n_seqs: int, length: int, page_size: int = 16) -> int:
+def kv_bytes(cfg: ModelConfig, n_seqs: int, length: int, page_size: int = 16, *, opts: RuntimeOptions) -> int:
     """A K/V budget holding `n_seqs` sequences of `length` positions (plus a trash page each)."""
     pages = n_seqs * (-(-length // page_size) + 1) + 2
-    return pages * kv_bytes_per_page(cfg, page_size)
+    return pages * kv_bytes_per_page(cfg, page_size, opts)
 
 
 def research_engine(model: Model, n_rows: int, longest: int, *, max_slots: int = 32,
@@ -45,7 +46,7 @@ def research_engine(model: Model, n_rows: int, longest: int, *, max_slots: int =
     # Prompts are packed side by side into prefill chunks: on the CPU a comparison's many
     # short prompts would otherwise take a round each.
     return model.engine(EngineConfig(
-        max_slots=slots, max_seq_len=longest, kv_bytes=kv_bytes(model.cfg, slots, longest),
+        max_slots=slots, max_seq_len=longest, kv_bytes=kv_bytes(model.cfg, slots, longest, opts=model.options),
         chunk_buckets=(64, 256), chunk_segments=4, extra_samplers=True, logits_processors=tuple(logits_processors)))
 
 

@@ -14,6 +14,7 @@ matrix-vector products, and fewer, larger ones stream the weights closer to memo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -136,10 +137,10 @@ class Params:
     mtp: MtpParams | None = None
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-    """The params tree of `jax.ShapeDtypeStruct`s for a config (no allocation)."""
+def param_shapes(cfg: ModelConfig, dtype: Any = "float32") -> Params:
+    """The params tree of `jax.ShapeDtypeStruct`s for a config (no allocation), in `dtype`."""
     L, D, H, K, Dh, V = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
-    dt = cfg.jnp_dtype
+    dt = jnp.dtype(dtype)
 
     def s(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dt)

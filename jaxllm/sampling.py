@@ -232,7 +232,7 @@ def sample(
       token_mask: [B, ceil(V/32)] u32 allowed-token bits (bit v%32 of word v//32).
       constrained: [B] bool, rows where `token_mask` applies.
       branches: "cond" skips the parts no row needs (`lax.cond`); "select" runs every part
-        and selects (same results; see ModelConfig.sampler_branches).
+        and selects (same results; see RuntimeOptions.sampler_branches).
       full: with False, no row filters (top-k/top-p/min-p) and none wants top logprobs
         (the caller knows; `needs_full_sampler`): those parts, the costly ones (a sort of the
         vocabulary each), are left out and top

@@ -19,6 +19,7 @@ import numpy as np
 from flax import struct
 
 from jaxllm.config import ModelConfig
+from jaxllm.runtime_options import RuntimeOptions
 
 TRASH_PAGE = 0
 
@@ -40,8 +41,9 @@ class StateLayout:
         return -(-n_positions // self.page_size)
 
 
-def kv_bytes_per_page(cfg: ModelConfig, page_size: int) -> int:
-    return 2 * cfg.n_kv_layers * page_size * cfg.n_kv_heads * cfg.head_dim * cfg.kv_jnp_dtype.itemsize
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, opts: RuntimeOptions) -> int:
+    """Bytes of one page of keys and values over every attention layer, in `opts.kv_dtype`."""
+    return 2 * cfg.n_kv_layers * page_size * cfg.n_kv_heads * cfg.head_dim * opts.kv_jnp_dtype.itemsize
 
 
 def recurrent_shapes(cfg: ModelConfig, rows: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -64,6 +66,7 @@ def recurrent_bytes_per_sequence(cfg: ModelConfig) -> int:
 
 def layout_for_budget(
     cfg: ModelConfig,
+    opts: RuntimeOptions,
     *,
     kv_bytes: int,
     max_slots: int,
@@ -73,7 +76,7 @@ def layout_for_budget(
     """Sizes the page pool from a byte budget; raises if not even one full sequence fits."""
     max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
     max_pages_per_seq = -(-max_seq_len // page_size)
-    n_pages = kv_bytes // kv_bytes_per_page(cfg, page_size)
+    n_pages = kv_bytes // kv_bytes_per_page(cfg, page_size, opts)
     if n_pages < 2:
         raise ValueError(
             f"kv budget of {kv_bytes} bytes holds {n_pages} pages of {page_size} positions; need at least 2"
@@ -186,7 +189,7 @@ def empty_sampling(B: int, V: int) -> SlotSampling:
     )
 
 
-def init_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
+def init_state(cfg: ModelConfig, layout: StateLayout, opts: RuntimeOptions) -> DecodeState:
     """Allocates a zeroed decode state (call under jit to build it on device)."""
     B, V = layout.max_slots, cfg.vocab_size
     kv_shape = (cfg.n_kv_layers, layout.n_pages, layout.page_size, cfg.n_kv_heads, cfg.head_dim)
@@ -195,7 +198,7 @@ def init_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
         conv=jnp.zeros(shapes[0], jnp.float32), delta=jnp.zeros(shapes[1], jnp.float32)
     )
     return DecodeState(
-        kv=KVCache(k=jnp.zeros(kv_shape, cfg.kv_jnp_dtype), v=jnp.zeros(kv_shape, cfg.kv_jnp_dtype)),
+        kv=KVCache(k=jnp.zeros(kv_shape, opts.kv_jnp_dtype), v=jnp.zeros(kv_shape, opts.kv_jnp_dtype)),
         page_table=jnp.full((B + 1, layout.max_pages_per_seq), TRASH_PAGE, jnp.int32),
         lengths=jnp.zeros((B,), jnp.int32),
         last_token=jnp.zeros((B,), jnp.int32),

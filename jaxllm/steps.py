@@ -20,6 +20,7 @@ from flax import struct
 
 from jaxllm.attention.reference import Windows
 from jaxllm.config import ModelConfig
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.model.forward import TokenBatch, forward, lm_head
 from jaxllm.model.hybrid import hybrid_forward
 from jaxllm.model.mtp import mtp_draft
@@ -91,6 +92,7 @@ def _round(
     chunk: ChunkBatch,
     *,
     cfg: ModelConfig,
+    opts: RuntimeOptions,
     chunk_len: int,
     n_ctx_pages: int,
     decode_width: int,
@@ -112,12 +114,12 @@ def _round(
     )
     if cfg.is_hybrid:
         hidden, kv, recurrent, experts = hybrid_forward(
-            params, cfg, batch, state.kv, state.recurrent, state.page_table, chunk_len=chunk_len,
+            params, cfg, batch, state.kv, state.recurrent, state.page_table, opts=opts, chunk_len=chunk_len,
             n_ctx_pages=n_ctx_pages,
         )
     else:
         hidden, kv, experts = forward(
-            params, cfg, batch, state.kv, state.page_table, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages
+            params, cfg, batch, state.kv, state.page_table, opts=opts, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages
         )
         recurrent = state.recurrent
 
@@ -135,10 +137,10 @@ def _round(
         lengths = lengths.at[chunk_end].set(last_position + 1, mode="drop")
     seen = state.seen.at[batch.slots, batch.tokens].set(True, mode="drop")
 
-    logits = lm_head(params, hidden[sample_row], kernel=matmul_kernel(cfg, B))
+    logits = lm_head(params, hidden[sample_row], kernel=matmul_kernel(opts, B))
     draw = sample(
         logits, state.sampling, seen, state.out_counts, state.n_generated, lengths, inputs.want_top,
-        token_mask=inputs.token_mask, constrained=inputs.constrained, branches=sampler_branches(cfg),
+        token_mask=inputs.token_mask, constrained=inputs.constrained, branches=sampler_branches(opts),
         full=full_sampler,
     )
     tokens = jnp.where(sampled, draw.tokens, state.last_token)
@@ -175,7 +177,7 @@ def _round(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "chunk_len", "n_ctx_pages", "decode_width"), donate_argnames=("state",)
+    jax.jit, static_argnames=("cfg", "opts", "chunk_len", "n_ctx_pages", "decode_width"), donate_argnames=("state",)
 )
 def step(
     params: Params,
@@ -184,6 +186,7 @@ def step(
     chunk: ChunkBatch,
     *,
     cfg: ModelConfig,
+    opts: RuntimeOptions,
     chunk_len: int,
     n_ctx_pages: int,
     decode_width: int,
@@ -191,13 +194,14 @@ def step(
     """One round: decode tokens of `inputs.decode_mask` slots (all below `decode_width`)
     plus `chunk`'s prompt tokens."""
     return _round(
-        params, state, inputs, chunk, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages, decode_width=decode_width
+        params, state, inputs, chunk, cfg=cfg, opts=opts, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages,
+        decode_width=decode_width,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "n_steps", "n_ctx_pages", "decode_width", "full_sampler"),
+    static_argnames=("cfg", "opts", "n_steps", "n_ctx_pages", "decode_width", "full_sampler"),
     donate_argnames=("state",),
 )
 def decode_steps(
@@ -206,6 +210,7 @@ def decode_steps(
     inputs: RoundInputs,
     *,
     cfg: ModelConfig,
+    opts: RuntimeOptions,
     n_steps: int,
     n_ctx_pages: int,
     decode_width: int,
@@ -224,8 +229,8 @@ def decode_steps(
     def body(state, first):
         step_inputs = jax.tree.map(lambda a, b: jnp.where(first, a, b), inputs, later)
         return _round(
-            params, state, step_inputs, chunk, cfg=cfg, chunk_len=1, n_ctx_pages=n_ctx_pages, decode_width=decode_width,
-            full_sampler=full_sampler,
+            params, state, step_inputs, chunk, cfg=cfg, opts=opts, chunk_len=1, n_ctx_pages=n_ctx_pages,
+            decode_width=decode_width, full_sampler=full_sampler,
         )
 
     return jax.lax.scan(body, state, jnp.arange(n_steps) == 0)
@@ -301,10 +306,10 @@ def insert(state: DecodeState, slot: jax.Array, ckpt: SeqCheckpoint) -> DecodeSt
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layout"))
-def new_state(cfg: ModelConfig, layout: StateLayout) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("cfg", "layout", "opts"))
+def new_state(cfg: ModelConfig, layout: StateLayout, opts: RuntimeOptions) -> DecodeState:
     """A zeroed state built on device (no host copy of the page pool)."""
-    return init_state(cfg, layout)
+    return init_state(cfg, layout, opts)
 
 
 @struct.dataclass
@@ -322,6 +327,7 @@ def _verify_round(
     drafts: Drafts,
     *,
     cfg: ModelConfig,
+    opts: RuntimeOptions,
     n_ctx_pages: int,
     full_sampler: bool,
 ) -> tuple[DecodeState, StepOutput]:
@@ -363,13 +369,16 @@ def _verify_round(
     )
     if cfg.is_hybrid:
         hidden, kv, snapshots, experts = hybrid_forward(
-            params, cfg, batch, state.kv, state.recurrent, state.page_table, chunk_len=Tw, n_ctx_pages=n_ctx_pages,
+            params, cfg, batch, state.kv, state.recurrent, state.page_table, opts=opts, chunk_len=Tw,
+            n_ctx_pages=n_ctx_pages,
             snapshots=True,
         )
     else:
-        hidden, kv, experts = forward(params, cfg, batch, state.kv, state.page_table, chunk_len=Tw, n_ctx_pages=n_ctx_pages)
+        hidden, kv, experts = forward(
+            params, cfg, batch, state.kv, state.page_table, opts=opts, chunk_len=Tw, n_ctx_pages=n_ctx_pages
+        )
         snapshots = None
-    logits = lm_head(params, hidden, kernel=matmul_kernel(cfg, B * Tw)).reshape(B, Tw, -1)
+    logits = lm_head(params, hidden, kernel=matmul_kernel(opts, B * Tw)).reshape(B, Tw, -1)
 
     # Position j draws the token after fed[:, j]; the earlier drafts count as generated tokens
     # there (penalties, min_tokens, max_tokens), as they would be had decoding produced them.
@@ -384,7 +393,7 @@ def _verify_round(
             out_counts = out_counts.at[jnp.where(live, rows, B), d].add(1, mode="drop")
         draw = sample(
             logits[:, j], state.sampling, seen, out_counts, state.n_generated + j, state.lengths + j + 1,
-            inputs.want_top, branches=sampler_branches(cfg), full=full_sampler,
+            inputs.want_top, branches=sampler_branches(opts), full=full_sampler,
         )
         draws.append(draw)
         stops.append(state.sampling.stop_mask[rows, draw.tokens] | (state.n_generated + j + 1 >= state.sampling.max_tokens))
@@ -440,7 +449,7 @@ def _verify_round(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "n_ctx_pages", "full_sampler"), donate_argnames=("state",)
+    jax.jit, static_argnames=("cfg", "opts", "n_ctx_pages", "full_sampler"), donate_argnames=("state",)
 )
 def verify(
     params: Params,
@@ -449,9 +458,12 @@ def verify(
     drafts: Drafts,
     *,
     cfg: ModelConfig,
+    opts: RuntimeOptions,
     n_ctx_pages: int,
     full_sampler: bool = True,
 ) -> tuple[DecodeState, StepOutput]:
     """One speculative round: every `inputs.decode_mask` slot verifies its drafts (see
     `_verify_round`); constrained slots take no part (their masks need the host per token)."""
-    return _verify_round(params, state, inputs, drafts, cfg=cfg, n_ctx_pages=n_ctx_pages, full_sampler=full_sampler)
+    return _verify_round(
+        params, state, inputs, drafts, cfg=cfg, opts=opts, n_ctx_pages=n_ctx_pages, full_sampler=full_sampler
+    )

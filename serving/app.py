@@ -114,10 +114,10 @@ class Server:
         try:
             started = time.perf_counter()
             self.model = self.loader()
-            self.costs = dataclasses.asdict(model_costs(self.model.cfg, self.model.params))
+            self.costs = dataclasses.asdict(model_costs(self.model.cfg, self.model.params, self.model.options))
             e = self.settings.current.engine
             self.engine = self.model.engine(e.engine_config())
-            cfg = self.model.cfg
+            cfg, opts = self.model.cfg, self.model.options
             engine = self.engine
 
             def warm() -> None:
@@ -127,9 +127,9 @@ class Server:
 
             self.scheduler = Scheduler(
                 engine, self.model.tokenizer, self.settings, self.metrics, self.sessions,
-                bytes_per_page=int(kv_bytes_per_page(cfg, engine.layout.page_size)), vocab=cfg.vocab_size,
+                bytes_per_page=int(kv_bytes_per_page(cfg, engine.layout.page_size, opts)), vocab=cfg.vocab_size,
                 recurrent_bytes=recurrent_bytes_per_sequence(cfg),
-                cache_options=f"{self.model_name}:{cfg.dtype}:{cfg.kv_dtype}".encode(), on_death=self.on_death, warmup=warm)
+                cache_options=f"{self.model_name}:{opts.dtype}:{opts.kv_dtype}".encode(), on_death=self.on_death, warmup=warm)
             self.scheduler.start()
         except BaseException as e:  # noqa: BLE001
             self.load_error = e

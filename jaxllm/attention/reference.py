@@ -65,7 +65,7 @@ def paged_attention(
     in_window = offsets[None, :] < windows.length[:, None]
     safe_idx = jnp.where(in_window, idx, 0)
     qw = q[safe_idx].reshape(W, window_len, K, G, Dh)
-    # An 8-bit cache is widened to the queries' type as it is read (see ModelConfig.kv_dtype).
+    # An 8-bit cache is widened to the queries' type as it is read (see RuntimeOptions.kv_dtype).
     kw, vw = k_new[safe_idx].astype(q.dtype), v_new[safe_idx].astype(q.dtype)  # [W, Q, K, Dh]
     qpos = positions[safe_idx]  # [W, Q]
     first_pos = qpos[:, :1]  # [W, 1]: cache positions before it were written by earlier rounds

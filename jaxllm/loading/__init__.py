@@ -10,6 +10,7 @@ from pathlib import Path
 
 from jaxllm.config import ModelConfig, load_config_json
 from jaxllm.params import Params, layout_params
+from jaxllm.runtime_options import RuntimeOptions
 
 FORMATS = ("auto", "gguf", "safetensors", "orbax", "dummy")
 
@@ -50,8 +51,7 @@ def load_model(
     source: str | Path,
     *,
     fmt: str = "auto",
-    dtype: str = "float32",
-    scan_layers: bool = True,
+    options: RuntimeOptions = RuntimeOptions(),
     config_path: str | Path | None = None,
     progress: bool = True,
 ) -> tuple[ModelConfig, Params]:
@@ -61,8 +61,8 @@ def load_model(
       source: a .gguf file, a Hugging Face directory, an orbax model directory, the
         default model's name ("smollm2"), or for fmt="dummy" a configs/*.json preset.
       fmt: one of FORMATS; "auto" detects from the path.
-      dtype: params / compute dtype ("float32", "bfloat16", ...).
-      scan_layers: stored on the returned config.
+      options: how this machine runs the model; its `dtype` is the params' dtype and its
+        `scan_layers` their layout (stacked for `lax.scan`, or a tuple of layers).
       config_path: for fmt="dummy", the preset JSON when `source` is not itself one.
       progress: show tqdm bars while reading files.
 
@@ -75,18 +75,18 @@ def load_model(
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown model format {fmt!r}; known: {', '.join(FORMATS)}")
-    cfg, params = _load(source, fmt, dtype, scan_layers, config_path, progress)
-    return cfg, layout_params(params, cfg.scan_layers)
+    cfg, params = _load(source, fmt, options.dtype, config_path, progress)
+    return cfg, layout_params(params, options.scan_layers)
 
 
 def _load(
-    source: str | Path, fmt: str, dtype: str, scan_layers: bool, config_path: str | Path | None, progress: bool
+    source: str | Path, fmt: str, dtype: str, config_path: str | Path | None, progress: bool
 ) -> tuple[ModelConfig, Params]:
     if fmt == "dummy":
         from jaxllm.loading.dummy import dummy_params
 
-        cfg = load_config_json(config_path or source, dtype=dtype, scan_layers=scan_layers)
-        return cfg, dummy_params(cfg)
+        cfg = load_config_json(config_path or source)
+        return cfg, dummy_params(cfg, dtype=dtype)
 
     from jaxllm.loading.default_model import resolve_model
 
@@ -96,11 +96,11 @@ def _load(
     if fmt == "gguf":
         from jaxllm.loading.gguf import load_gguf_model
 
-        return load_gguf_model(path, dtype=dtype, scan_layers=scan_layers, progress=progress)
+        return load_gguf_model(path, dtype=dtype, progress=progress)
     if fmt == "safetensors":
         from jaxllm.loading.safetensors import load_safetensors_model
 
-        return load_safetensors_model(path, dtype=dtype, scan_layers=scan_layers, progress=progress)
+        return load_safetensors_model(path, dtype=dtype, progress=progress)
     from jaxllm.loading.orbax_io import load_orbax_model
 
-    return load_orbax_model(path, dtype=dtype, scan_layers=scan_layers)
+    return load_orbax_model(path, dtype=dtype)

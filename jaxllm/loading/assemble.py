@@ -41,14 +41,15 @@ def _stacked_axes(key: str, cfg: ModelConfig) -> int:
 class ParamAssembler:
     """Collects tensors into stacked host buffers and builds a checked `Params` tree."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        """Preallocates one host buffer per leaf of `param_shapes(cfg)`.
+    def __init__(self, cfg: ModelConfig, dtype: str = "float32") -> None:
+        """Preallocates one host buffer per leaf of `param_shapes(cfg, dtype)`.
 
         Args:
-          cfg: the model config; its `dtype` is the dtype of the built params.
+          cfg: the model config.
+          dtype: the dtype of the built params.
         """
         self.cfg = cfg
-        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
         self._order = [_dotted(path) for path, _ in leaves]
         self._buffers: dict[str, np.ndarray] = {}
         self._filled: dict[str, np.ndarray] = {}

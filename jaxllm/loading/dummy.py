@@ -25,21 +25,22 @@ def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool)
     return (_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _random_tree(key: jax.Array, cfg: ModelConfig) -> Params:
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+def _random_tree(key: jax.Array, cfg: ModelConfig, dtype: str) -> Params:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
     keys = jax.random.split(key, len(leaves))
     out = [_random_leaf(k, sds.shape, sds.dtype, path[-1].name in _NORM_LEAVES) for k, (path, sds) in zip(keys, leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def dummy_params(cfg: ModelConfig, seed: int = 0, *, out_shardings: Any = None) -> Params:
-    """Random weights with the shapes and dtype of `cfg`, created on device.
+def dummy_params(cfg: ModelConfig, seed: int = 0, *, dtype: str = "float32", out_shardings: Any = None) -> Params:
+    """Random weights with the shapes of `cfg` in `dtype`, created on device.
 
     Weights are normal * 0.02, norm scales are 1, so a forward pass stays finite.
 
     Args:
       cfg: the model config (static: shapes come from it).
       seed: PRNG seed.
+      dtype: element type of the weights (`RuntimeOptions.dtype`).
       out_shardings: optional sharding (one for all leaves, or a Params-shaped tree);
         None lets jit place everything on the default device.
 
@@ -53,10 +54,10 @@ def dummy_params(cfg: ModelConfig, seed: int = 0, *, out_shardings: Any = None) 
     # across shardings, which is threefry's advantage.
     key = jax.random.key(seed, impl="rbg")
     if out_shardings is not None:
-        return jax.jit(_random_tree, static_argnums=1, out_shardings=out_shardings)(key, cfg)
+        return jax.jit(_random_tree, static_argnums=(1, 2), out_shardings=out_shardings)(key, cfg, dtype)
     # Unsharded: one leaf per call, so only one leaf's float32 draw is ever live (a 35B MoE's
     # whole tree in one call asked for 126 GiB on a 141 GiB GPU); the same values as above.
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
     keys = jax.random.split(key, len(leaves))
     leaf = jax.jit(_random_leaf, static_argnums=(1, 2, 3))
     out = [leaf(k, sds.shape, sds.dtype, path[-1].name in _NORM_LEAVES) for k, (path, sds) in zip(keys, leaves)]

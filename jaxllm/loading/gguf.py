@@ -114,7 +114,7 @@ def llama3_rope_factors(s: RopeScaling, theta: float, head_dim: int) -> np.ndarr
     return out.astype(np.float32)
 
 
-def gguf_config(reader: gguf.GGUFReader, *, dtype: str = "float32", scan_layers: bool = True) -> ModelConfig:
+def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     """Maps GGUF metadata (and tensor presence) onto a ModelConfig.
 
     Raises:
@@ -139,7 +139,7 @@ def gguf_config(reader: gguf.GGUFReader, *, dtype: str = "float32", scan_layers:
     if arch in _HYBRID_ARCHS:
         from jaxllm.loading.gguf_hybrid import hybrid_gguf_config
 
-        return hybrid_gguf_config(reader, arch, meta, dtype=dtype, scan_layers=scan_layers)
+        return hybrid_gguf_config(reader, arch, meta)
     family = _ARCH_FAMILY[arch]
     d_model = int(meta("embedding_length"))
     n_heads = int(meta("attention.head_count"))
@@ -193,8 +193,6 @@ def gguf_config(reader: gguf.GGUFReader, *, dtype: str = "float32", scan_layers:
         n_experts_per_token=int(meta("expert_used_count", 0)) if is_moe else 0,
         moe_ffn_dim=int(meta("expert_feed_forward_length", 0)) if is_moe else 0,
         norm_topk_prob=bool(meta("expert_weights_norm", True)),
-        dtype=dtype,
-        scan_layers=scan_layers,
     )
 
 
@@ -233,14 +231,13 @@ def _block_tensor(asm: ParamAssembler, cfg: ModelConfig, permuted: bool, i: int,
 
 
 def load_gguf_model(
-    path: str | Path, *, dtype: str = "float32", scan_layers: bool = True, progress: bool = True
+    path: str | Path, *, dtype: str = "float32", progress: bool = True
 ) -> tuple[ModelConfig, Params]:
     """Loads a GGUF file into (config, params), dequantizing every tensor.
 
     Args:
       path: the .gguf file.
-      dtype: dtype of the returned params and of `cfg.dtype`.
-      scan_layers: stored on the config.
+      dtype: dtype of the returned params.
       progress: show a tqdm bar over tensors.
 
     Returns:
@@ -252,10 +249,10 @@ def load_gguf_model(
         missing tensors or shape mismatches.
     """
     reader = open_gguf(path)
-    cfg = gguf_config(reader, dtype=dtype, scan_layers=scan_layers)
+    cfg = gguf_config(reader)
     arch = _field(reader, "general.architecture")
     permuted = arch == "llama"
-    asm = ParamAssembler(cfg)
+    asm = ParamAssembler(cfg, dtype)
     if cfg.is_hybrid:
         from jaxllm.loading.gguf_hybrid import hybrid_block_tensor, warn_unloaded_mtp
 

@@ -72,7 +72,7 @@ def untile_value_heads(w: np.ndarray, axis: int, n_k_heads: int, n_v_heads: int)
 
 
 def hybrid_gguf_config(
-    reader: gguf.GGUFReader, arch: str, meta: Callable[..., Any], *, dtype: str, scan_layers: bool
+    reader: gguf.GGUFReader, arch: str, meta: Callable[..., Any]
 ) -> ModelConfig:
     """The ModelConfig of a hybrid GGUF (metadata plus which blocks hold attention tensors).
 
@@ -81,8 +81,6 @@ def hybrid_gguf_config(
       arch: qwen3next, qwen35 or qwen35moe.
       meta: `meta(key, default=...)` reads `{arch}.{key}`, raising ValueError when a
         required key is missing.
-      dtype: dtype of the params and of `cfg.dtype`.
-      scan_layers: stored on the config.
 
     Raises:
       ValueError: missing metadata, a block that is neither kind, or layer kinds that
@@ -139,8 +137,6 @@ def hybrid_gguf_config(
         conv_kernel=int(meta("ssm.conv_kernel")),
         rotary_dim=int(meta("rope.dimension_count", head_dim)),
         shared_expert_ffn_dim=int(meta("expert_shared_feed_forward_length", 0)) if moe else 0,
-        dtype=dtype,
-        scan_layers=scan_layers,
     )
 
 

@@ -74,9 +74,14 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+# Runtime options that checkpoints written before `RuntimeOptions` stored in their config.
+_OLD_RUNTIME_KEYS = ("dtype", "scan_layers", "kv_dtype", "decode_attention", "decode_matmul", "decode_norm",
+                     "sampler_branches")
+
+
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     """Inverse of `config_to_dict`; unknown keys are rejected by the dataclass."""
-    d = dict(d)
+    d = {k: v for k, v in d.items() if k not in _OLD_RUNTIME_KEYS}
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     if "layer_types" in d:  # JSON gives a list; the config must stay hashable (static under jit)
@@ -100,15 +105,12 @@ def is_orbax_model(path: str | Path) -> bool:
     return (path / CONFIG_FILE).is_file() and (path / PARAMS_DIR).is_dir()
 
 
-def load_orbax_model(
-    path: str | Path, *, dtype: str | None = None, scan_layers: bool | None = None
-) -> tuple[ModelConfig, Params]:
+def load_orbax_model(path: str | Path, *, dtype: str = "float32") -> tuple[ModelConfig, Params]:
     """Reads a `save_model` directory.
 
     Args:
       path: the directory.
-      dtype: restore into this dtype instead of the saved one (orbax casts on read).
-      scan_layers: override the saved config's flag.
+      dtype: restore into this dtype, whatever the saved one (orbax casts on read).
 
     Returns:
       The ModelConfig and Params (on the default device).
@@ -120,12 +122,6 @@ def load_orbax_model(
     if not is_orbax_model(path):
         raise FileNotFoundError(f"no jaxllm orbax model at {path} (expected {CONFIG_FILE} and {PARAMS_DIR}/)")
     cfg = config_from_dict(json.loads((path / CONFIG_FILE).read_text()))
-    changes: dict[str, Any] = {}
-    if dtype is not None:
-        changes["dtype"] = dtype
-    if scan_layers is not None:
-        changes["scan_layers"] = scan_layers
-    cfg = cfg.replace(**changes)
-    params = restore_pytree(path / PARAMS_DIR, like=param_shapes(cfg))
+    params = restore_pytree(path / PARAMS_DIR, like=param_shapes(cfg, dtype))
     check_params(params, cfg)
     return cfg, params

@@ -142,15 +142,14 @@ def check_hf_config(hf: dict[str, Any]) -> None:
 
 
 def load_safetensors_model(
-    model_dir: str | Path, *, dtype: str = "float32", scan_layers: bool = True, progress: bool = True
+    model_dir: str | Path, *, dtype: str = "float32", progress: bool = True
 ) -> tuple[ModelConfig, Params]:
     """Loads a Hugging Face checkpoint directory into (config, params).
 
     Args:
       model_dir: directory with config.json and model*.safetensors (optionally sharded
         with model.safetensors.index.json).
-      dtype: dtype of the returned params and of `cfg.dtype`.
-      scan_layers: stored on the config.
+      dtype: dtype of the returned params.
       progress: show a tqdm bar over tensors.
 
     Returns:
@@ -165,10 +164,10 @@ def load_safetensors_model(
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     hf = read_hf_config(model_dir)
     check_hf_config(hf)
-    cfg = config_from_hf(hf, dtype=dtype, scan_layers=scan_layers)
+    cfg = config_from_hf(hf)
     files = _shard_files(model_dir)
     cfg = without_absent_mtp(cfg, (k for p in files for k in safe_open(str(p), framework="numpy").keys()))
-    asm = ParamAssembler(cfg)
+    asm = ParamAssembler(cfg, dtype)
     unknown: list[str] = []
     layer_tensor = hybrid_layer_tensor if cfg.is_hybrid else _layer_tensor
     for name, get in _iter_tensors(files, progress):

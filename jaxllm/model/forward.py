@@ -21,6 +21,7 @@ from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, ma
 from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.params import LayerParams, MoeParams, Params
 from jaxllm.state import KVCache, to_kv_dtype
+from jaxllm.runtime_options import RuntimeOptions
 
 
 @struct.dataclass
@@ -62,6 +63,7 @@ def _layer(
     lookups: DecodeLookups,
     cfg: ModelConfig,
     *,
+    opts: RuntimeOptions,
     chunk_len: int,
     n_ctx_pages: int,
 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
@@ -70,9 +72,9 @@ def _layer(
     output still to add, this round's (k, v) for the caller to write, expert activity)."""
     a = lp.attn
     inv_freq = rope_inv_freq(cfg)
-    norm = norm_kernel(cfg, x.shape[0])
+    norm = norm_kernel(opts, x.shape[0])
     x, h = add_rms_norm(x, pending, lp.attn_norm, cfg.rms_eps, kernel=norm)
-    mm = matmul_kernel(cfg, x.shape[0])
+    mm = matmul_kernel(opts, x.shape[0])
     qkv = None
     if a.wqkv is not None:  # the runtime layout: one matmul for all three
         H = cfg.n_heads
@@ -90,13 +92,13 @@ def _layer(
     v = to_kv_dtype(v, kv.v.dtype)
 
     page_table = _after(page_table, x)  # read this layer's context only once its input exists
-    kernel = decode_attention_kernel(cfg)
+    kernel = decode_attention_kernel(opts)
     # A decode-only round hands the Pallas kernel the raw projection output: it slices and
     # rotates q and the fresh k itself (the rotated k here then feeds only the cache write).
     raw = kernel is not None and kernel != "cpu" and raw_projection_attends(lp, batch)
     attn = attend(
-        q, k, v, kv, layer_index, batch, page_table, lookups, cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages,
-        fused_input=(qkv, inv_freq) if raw else None,
+        q, k, v, kv, layer_index, batch, page_table, lookups, cfg, opts=opts, chunk_len=chunk_len,
+        n_ctx_pages=n_ctx_pages, fused_input=(qkv, inv_freq) if raw else None,
     )
     x, h = add_rms_norm(x, project(attn, a.wo, 2, kernel=mm), lp.mlp_norm, cfg.rms_eps, kernel=norm)
     if isinstance(lp.mlp, MoeParams):
@@ -118,6 +120,7 @@ def attend(
     lookups: DecodeLookups,
     cfg: ModelConfig,
     *,
+    opts: RuntimeOptions,
     chunk_len: int,
     n_ctx_pages: int,
     fused_input: tuple[jax.Array, jax.Array] | None = None,
@@ -133,14 +136,14 @@ def attend(
       fused_input: see `_decode_kernel_attention`.
     """
     k_layer, v_layer = kv.k[layer_index], kv.v[layer_index]
-    kernel = decode_attention_kernel(cfg)
+    kernel = decode_attention_kernel(opts)
     if kernel is not None and batch.decode.slot.shape[0]:
         attn = _decode_kernel_attention(q, k, v, kv, layer_index, lookups, batch, kernel, fused_input)
     else:
         attn = paged_decode_reference(
             q, k, v, batch.positions, k_layer, v_layer, page_table, batch.decode, n_ctx_pages=n_ctx_pages
         )
-    if batch.chunks.slot.shape[0] and fused_attention_available(cfg.dtype):
+    if batch.chunks.slot.shape[0] and fused_attention_available(opts.dtype):
         attn = attn + chunk_attention(
             q, k, v, batch.positions, k_layer, v_layer, page_table, batch.chunks,
             window_len=chunk_len, n_ctx_pages=n_ctx_pages, implementation="cudnn",
@@ -242,28 +245,31 @@ def forward(
     kv: KVCache,
     page_table: jax.Array,
     *,
+    opts: RuntimeOptions,
     chunk_len: int,
     n_ctx_pages: int,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
     """Runs every layer over the batch, then writes the batch's K/V into the pages.
 
+    `opts` (static) picks the compute dtype and each part's kernel.
+
     Returns:
       (final-normed hidden [T, D], the updated cache, tokens per expert [L, E] or [L, 0]).
     """
-    x = params.embed[batch.tokens].astype(cfg.jnp_dtype)
+    x = params.embed[batch.tokens].astype(opts.jnp_dtype)
     W = batch.decode.slot.shape[0]
     lookups = DecodeLookups(
         pages=page_table[batch.decode.slot, :n_ctx_pages],
         cached=jnp.where(batch.decode.length > 0, batch.positions[:W], 0),
     )
-    kwargs = dict(page_table=page_table, lookups=lookups, cfg=cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
+    kwargs = dict(page_table=page_table, lookups=lookups, cfg=cfg, opts=opts, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
     # The residual stream is x + pending: each block adds its predecessor's MLP output inside
     # its first norm (one kernel for both in decode rounds; see `norm_kernel`).
     pending = None
 
     if not isinstance(params.layers, tuple):
         pending = jnp.zeros_like(x)  # scan's carry needs an array from the start
-        by_reference = matmul_kernel(cfg, batch.tokens.shape[0]) == "cpu"
+        by_reference = matmul_kernel(opts, batch.tokens.shape[0]) == "cpu"
 
         def body(carry, xs):
             lp, i = xs
@@ -283,7 +289,7 @@ def forward(
             vs.append(v)
             per_layer.append(e)
         k_new, v_new, experts = jnp.stack(ks), jnp.stack(vs), jnp.stack(per_layer)
-    x, hidden = add_rms_norm(x, pending, params.final_norm, cfg.rms_eps, kernel=norm_kernel(cfg, x.shape[0]))
+    x, hidden = add_rms_norm(x, pending, params.final_norm, cfg.rms_eps, kernel=norm_kernel(opts, x.shape[0]))
     # The write must follow every read of the cache; see `_after`.
     batch = batch.replace(positions=_after(batch.positions, hidden))
     kv = write_kv(kv, k_new, v_new, batch, page_table)

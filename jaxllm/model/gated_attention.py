@@ -15,6 +15,7 @@ from jaxllm.model.forward import DecodeLookups, TokenBatch, attend
 from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq
 from jaxllm.params import GatedAttentionParams
 from jaxllm.state import KVCache, to_kv_dtype
+from jaxllm.runtime_options import RuntimeOptions
 
 
 def gated_attention(
@@ -27,6 +28,7 @@ def gated_attention(
     lookups: DecodeLookups,
     cfg: ModelConfig,
     *,
+    opts: RuntimeOptions,
     chunk_len: int,
     n_ctx_pages: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -49,7 +51,7 @@ def gated_attention(
     q = apply_rope(q, batch.positions, inv_freq)
     k = to_kv_dtype(apply_rope(k, batch.positions, inv_freq), kv.k.dtype)
     v = to_kv_dtype(v, kv.v.dtype)
-    attn = attend(q, k, v, kv, layer_index, batch, page_table, lookups, cfg, chunk_len=chunk_len,
+    attn = attend(q, k, v, kv, layer_index, batch, page_table, lookups, cfg, opts=opts, chunk_len=chunk_len,
                   n_ctx_pages=n_ctx_pages)
     attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
     return project(attn, p.wo, 2), k, v

@@ -23,6 +23,7 @@ from jaxllm.model.gated_attention import gated_attention
 from jaxllm.model.layers import dense_mlp, moe_mlp, rms_norm
 from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params
 from jaxllm.state import KVCache, RecurrentState
+from jaxllm.runtime_options import RuntimeOptions
 
 
 def block_mlp(h: jax.Array, p: DenseMlpParams | MoeParams, cfg: ModelConfig, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -49,6 +50,7 @@ def hybrid_forward(
     recurrent: RecurrentState | None,
     page_table: jax.Array,
     *,
+    opts: RuntimeOptions,
     chunk_len: int,
     n_ctx_pages: int,
     snapshots: bool = False,
@@ -62,7 +64,7 @@ def hybrid_forward(
       segment's states after every one of its tokens, for the caller to pick from.
     """
     layers = params.layers
-    x = params.embed[batch.tokens].astype(cfg.jnp_dtype)
+    x = params.embed[batch.tokens].astype(opts.jnp_dtype)
     trash = page_table.shape[0] - 1
     valid = batch.slots < trash
     W = batch.decode.slot.shape[0]
@@ -102,7 +104,8 @@ def hybrid_forward(
                 index = g * n_full + i_full
                 table = _after(page_table, x)  # read this layer's context only once its input exists
                 x, (k, v), e = block(x, lp, lambda h: gated_attention(
-                    h, lp.mixer, kv, index, batch, table, lookups, cfg, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages))
+                    h, lp.mixer, kv, index, batch, table, lookups, cfg, opts=opts, chunk_len=chunk_len,
+                    n_ctx_pages=n_ctx_pages))
                 ks.append(k)
                 vs.append(v)
                 i_full += 1

@@ -1,6 +1,6 @@
 """Products of a few rows with a weight matrix on the CPU: C++ XLA FFI kernels (`matvec_cpu.cc`).
 
-For decode rounds of the CPU backend in float32 (`ModelConfig.decode_matmul = "auto"`): XLA's
+For decode rounds of the CPU backend in float32 (`RuntimeOptions.decode_matmul = "auto"`): XLA's
 CPU dot for one row streams the weights slower than a plain reduction (docs/lab/2026-12.md),
 and a small model's decode step is little else. Built on first use (`jaxllm.cpu_ffi`); XLA's dot
 is the oracle (`tests/jaxllm/test_matvec_cpu.py`).

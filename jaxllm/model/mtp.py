@@ -84,7 +84,7 @@ def mtp_forward(
       norm, which the next draft in a chain reads in place of the target's hidden).
     """
     mtp = _mtp(params, cfg)
-    dt, eps = cfg.jnp_dtype, cfg.rms_eps
+    dt, eps = mtp.fc.dtype, cfg.rms_eps  # the compute dtype is the weights' (RuntimeOptions.dtype)
     emb = rms_norm(params.embed[next_tokens].astype(dt), mtp.norm_embedding, eps)  # [T, D]
     hid = rms_norm(hidden.astype(dt), mtp.norm_hidden, eps)  # [T, D]
     x = project(jnp.concatenate([emb, hid], axis=-1), mtp.fc)  # [T, 2D] x [2D, D] -> [T, D]
@@ -136,7 +136,8 @@ def mtp_draft(
     n = T + k - 1  # rows of the whole chain; row T - 1 + j yields draft j
     # Later rows start as zeros: causal attention keeps them from the rows read so far, and
     # each MLP row (routed experts included) depends on its own row only.
-    hid_buf = jnp.zeros((n, D), cfg.jnp_dtype).at[:T].set(hidden.astype(cfg.jnp_dtype))
+    dt = _mtp(params, cfg).fc.dtype
+    hid_buf = jnp.zeros((n, D), dt).at[:T].set(hidden.astype(dt))
     tok_buf = jnp.zeros((n,), jnp.int32).at[:T].set(tokens)
     pos_buf = jnp.concatenate([positions, positions[-1] + 1 + jnp.arange(k - 1, dtype=jnp.int32)])
     V = cfg.vocab_size

@@ -82,7 +82,7 @@ def _block(x: jax.Array, lp: LayerParams, cfg: ModelConfig, positions: jax.Array
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _trace(params: Params, cfg: ModelConfig, ids: jax.Array):
-    x = params.embed[ids].astype(cfg.jnp_dtype)
+    x = params.embed[ids]  # the weights are in the compute dtype (RuntimeOptions.dtype)
     positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
     if isinstance(params.layers, tuple):
         outs = []
@@ -97,7 +97,7 @@ def _trace(params: Params, cfg: ModelConfig, ids: jax.Array):
 
         _, (stream, attention, experts) = jax.lax.scan(body, x, params.layers)
     logits = lm_head(params, rms_norm(stream[-1], params.final_norm, cfg.rms_eps))
-    return jnp.concatenate([params.embed[ids].astype(cfg.jnp_dtype)[None], stream]), attention, experts, logits
+    return jnp.concatenate([params.embed[ids][None], stream]), attention, experts, logits
 
 
 def trace(model, ids: Sequence[int]) -> Trace:
@@ -123,7 +123,7 @@ def _lens(params: Params, residual: jax.Array, eps: float, top: int):
 def logit_lens(model, t: Trace, *, top: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The logit lens (nostalgebraist, 2020): each layer's residual stream read out through the
     final norm and the unembedding. Returns ([L + 1, T, top] token ids, their probabilities)."""
-    probs, ids = _lens(model.params, jnp.asarray(t.residual, model.cfg.jnp_dtype), model.cfg.rms_eps, top)
+    probs, ids = _lens(model.params, jnp.asarray(t.residual, model.params.embed.dtype), model.cfg.rms_eps, top)
     return np.asarray(ids), np.asarray(probs)
 
 

@@ -18,6 +18,7 @@ from jaxllm.attention.reference import Windows, paged_attention, paged_decode_re
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.loading.orbax_io import restore_pytree, save_pytree
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import to_kv_dtype
@@ -178,8 +179,8 @@ def tiny_params():
     return dummy_params(TINY, seed=3)
 
 
-def _prefill_and_decode(cfg: ModelConfig, params, max_tokens: int) -> tuple[Engine, list]:
-    engine = Engine(cfg, params, eos_ids=[], config=ENGINE)
+def _prefill_and_decode(opts: RuntimeOptions, params, max_tokens: int) -> tuple[Engine, list]:
+    engine = Engine(TINY, params, eos_ids=[], config=ENGINE, options=opts)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
     seqs = [engine.add(p, greedy) for p in PROMPTS]
     while any(s.finish_reason is None for s in seqs):
@@ -192,8 +193,8 @@ def test_engine_with_an_fp8_cache(tiny_params):
     layer's cached keys are the float32 engine's rounded (they depend on nothing attention
     computed); the Pallas kernel (interpreted) and the jnp reference decode the same; the
     outputs stay close to the float32 cache's."""
-    f32, f32_seqs = _prefill_and_decode(TINY, tiny_params, 1)
-    fp8, fp8_seqs = _prefill_and_decode(TINY.replace(kv_dtype="float8_e4m3fn"), tiny_params, 1)
+    f32, f32_seqs = _prefill_and_decode(RuntimeOptions(), tiny_params, 1)
+    fp8, fp8_seqs = _prefill_and_decode(RuntimeOptions(kv_dtype="float8_e4m3fn"), tiny_params, 1)
     assert fp8.state.kv.k.dtype == FP8 and fp8.layout.n_pages == 4 * f32.layout.n_pages
     for a, b in zip(f32_seqs, fp8_seqs):
         rows = np.asarray(f32.layout.pages_for(len(a.prompt)))
@@ -204,8 +205,9 @@ def test_engine_with_an_fp8_cache(tiny_params):
         # The first token's log-probability: within float8's rounding of the float32 cache's.
         assert abs(a.logprobs[0] - b.logprobs[0]) < 0.05, (a.logprobs[0], b.logprobs[0])
 
-    ref_engine, ref = _prefill_and_decode(TINY.replace(kv_dtype="float8_e4m3fn", decode_attention="reference"), tiny_params, 6)
-    _, kern = _prefill_and_decode(TINY.replace(kv_dtype="float8_e4m3fn", decode_attention="interpret"), tiny_params, 6)
+    ref_engine, ref = _prefill_and_decode(RuntimeOptions(kv_dtype="float8_e4m3fn", decode_attention="reference"),
+                                           tiny_params, 6)
+    _, kern = _prefill_and_decode(RuntimeOptions(kv_dtype="float8_e4m3fn", decode_attention="interpret"), tiny_params, 6)
     for a, b in zip(ref, kern):
         assert a.generated == b.generated
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
@@ -234,4 +236,4 @@ def test_cli_spellings():
     with pytest.raises(SystemExit):
         parse(["generate", "--prompt", "x", "--kv-cache-dtype", "int4"])
     with pytest.raises(ValueError, match="kv_dtype"):
-        TINY.replace(kv_dtype="int8")
+        RuntimeOptions(kv_dtype="int8")

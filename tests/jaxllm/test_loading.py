@@ -19,6 +19,7 @@ from jaxllm.loading.gguf import load_gguf_model
 from jaxllm.loading.orbax_io import restore_pytree, save_model, save_pytree
 from jaxllm.loading.safetensors import load_safetensors_model
 from jaxllm.params import Params, canonical_params, layout_params, param_shapes
+from jaxllm.runtime_options import RuntimeOptions
 
 from hf_tiny import LLAMA3_ROPE, hf_to_gguf, make_tiny_hf_model, read_hf_state  # tests/ is on sys.path (conftest)
 
@@ -123,8 +124,7 @@ def test_safetensors_sharded_and_bfloat16(hf_dirs: dict[str, Path], tmp_path: Pa
     index = {"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     (tmp_path / "config.json").write_text((src / "config.json").read_text())
-    cfg, params = load_model(str(tmp_path), dtype="bfloat16")
-    assert cfg.dtype == "bfloat16"
+    cfg, params = load_model(str(tmp_path), options=RuntimeOptions(dtype="bfloat16"))
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
     assert_matches_hf(cfg, params, state, atol=2e-2)
 
@@ -164,7 +164,7 @@ def test_fused_expert_tensors(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
 )
 def test_gguf_matches_hf(hf_dirs: dict[str, Path], tmp_path: Path, variant: str, qtype: str, atol: float) -> None:
     path = hf_to_gguf(hf_dirs[variant], tmp_path / "m.gguf", qtype=qtype)
-    cfg, params = load_model(str(path), dtype="float32", progress=False)
+    cfg, params = load_model(str(path), options=RuntimeOptions(dtype="float32"), progress=False)
     hf_cfg, _ = load_safetensors_model(hf_dirs[variant], progress=False)
     assert cfg == hf_cfg.replace(max_position=cfg.max_position)
     assert_matches_hf(cfg, params, read_hf_state(hf_dirs[variant]), atol=atol)
@@ -259,10 +259,10 @@ def test_orbax_model_round_trip(hf_dirs: dict[str, Path], tmp_path: Path, dtype:
     cfg, params = load_safetensors_model(hf_dirs["qwen2"], dtype=dtype, progress=False)
     # What a user holds after `load_model` is the runtime tree (fused, maybe unrolled); it is
     # stored as the canonical one.
-    _, runtime = load_model(str(hf_dirs["qwen2"]), dtype=dtype, scan_layers=False)
+    _, runtime = load_model(str(hf_dirs["qwen2"]), options=RuntimeOptions(dtype=dtype, scan_layers=False))
     save_model(tmp_path / "ckpt", cfg, runtime)
     assert detect_format(tmp_path / "ckpt") == "orbax"
-    cfg2, params2 = load_model(str(tmp_path / "ckpt"), dtype=dtype)
+    cfg2, params2 = load_model(str(tmp_path / "ckpt"), options=RuntimeOptions(dtype=dtype))
     assert cfg2 == cfg
     chex.assert_trees_all_equal(canonical_params(params2), params)
     chex.assert_trees_all_equal_dtypes(canonical_params(params2), params)
@@ -282,9 +282,9 @@ def test_orbax_pytree_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("preset", CONFIGS, ids=lambda p: p.stem)
 def test_dummy_shapes_for_presets(preset: Path) -> None:
-    cfg = load_config_json(preset, dtype="bfloat16")
-    abstract = jax.eval_shape(lambda: dummy_params(cfg))  # no allocation of 8B+ params
-    chex.assert_trees_all_equal_shapes_and_dtypes(abstract, param_shapes(cfg))
+    cfg = load_config_json(preset)
+    abstract = jax.eval_shape(lambda: dummy_params(cfg, dtype="bfloat16"))  # no allocation of 8B+ params
+    chex.assert_trees_all_equal_shapes_and_dtypes(abstract, param_shapes(cfg, "bfloat16"))
 
 
 def test_preset_values() -> None:
@@ -323,8 +323,8 @@ def test_dummy_allocates_tiny(tmp_path: Path) -> None:
     preset = tmp_path / "tiny.json"
     preset.write_text(json.dumps({"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
                                   "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24}))
-    cfg2, p2 = load_model(str(preset), fmt="dummy", dtype="bfloat16")
-    assert cfg2.dtype == "bfloat16" and p2.embed.dtype == jnp.bfloat16
+    cfg2, p2 = load_model(str(preset), fmt="dummy", options=RuntimeOptions(dtype="bfloat16"))
+    assert cfg2.vocab_size == 32 and p2.embed.dtype == jnp.bfloat16
 
 
 def _gguf_with(path: Path, **meta: object) -> Path:

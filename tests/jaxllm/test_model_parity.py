@@ -20,6 +20,7 @@ from jaxllm.api import prompt_logits
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading import load_model
 from jaxllm.sampling import SamplingParams
+from jaxllm.runtime_options import RuntimeOptions
 
 CASES = [
     ("llama", {}),
@@ -61,7 +62,7 @@ PROMPT = [3, 17, 99, 5, 64, 23, 23, 7, 120, 1, 45, 88, 12, 9, 31, 77, 2, 100, 54
 @pytest.mark.parametrize("name", [f"{f}{'-tied' if kw else ''}" for f, kw in CASES])
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_prompt_logits_match_transformers(tiny_models, name, scan_layers):
-    cfg, params = load_model(tiny_models[name], scan_layers=scan_layers, progress=False)
+    cfg, params = load_model(tiny_models[name], options=RuntimeOptions(scan_layers=scan_layers), progress=False)
     ours = np.asarray(prompt_logits(params, cfg, jnp.asarray(PROMPT, jnp.int32)))
     ref = hf_logits(tiny_models[name], PROMPT)
     assert ours.shape == ref.shape

@@ -228,12 +228,12 @@ def test_mtp_draft_chains_forward(mtp_model, context):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dummy_params_have_unit_mtp_norms(mtp_model, dtype):
     """Random weights for a config with an MTP head: its norms are ones, the head runs finite."""
-    cfg = config_from_hf(json.loads((mtp_model["dir"] / "config.json").read_text()), dtype=dtype)
+    cfg = config_from_hf(json.loads((mtp_model["dir"] / "config.json").read_text()))
     assert cfg.mtp_layers == 1
-    params = dummy_params(cfg)
+    params = dummy_params(cfg, dtype=dtype)
     for name in ("norm_embedding", "norm_hidden", "final_norm"):
         np.testing.assert_array_equal(np.asarray(getattr(params.mtp, name)), 1.0)
     np.testing.assert_array_equal(np.asarray(params.mtp.block.attn_norm), 1.0)
     logits, head_hidden = mtp_forward(params, cfg, jnp.ones((3, cfg.d_model)), jnp.arange(3), jnp.arange(3))
-    assert logits.dtype == jnp.float32 and head_hidden.dtype == cfg.jnp_dtype
+    assert logits.dtype == jnp.float32 and head_hidden.dtype == jnp.dtype(dtype)
     assert bool(jnp.all(jnp.isfinite(logits)))

@@ -12,6 +12,7 @@ from jaxllm.api import Model
 from jaxllm.loading import load_model
 from jaxllm.research.inspection import logit_lens, logit_lens_table, trace
 from jaxllm.tokenizer import Tokenizer
+from jaxllm.runtime_options import RuntimeOptions
 
 PROMPT = [3, 17, 99, 5, 64, 23, 23, 7, 120, 1, 45, 88]
 
@@ -69,7 +70,7 @@ def test_trace_matches_transformers(tmp_path, family):
     table = logit_lens_table(model, t)
     assert table.shape == (L + 1, len(PROMPT))
     if family == "qwen3":  # unrolled layers (a tuple) trace the same as scanned ones
-        cfg_u, params_u = load_model(path, scan_layers=False, progress=False)
+        cfg_u, params_u = load_model(path, options=RuntimeOptions(scan_layers=False), progress=False)
         t_u = trace(Model(cfg=cfg_u, params=params_u, tokenizer=model.tokenizer), PROMPT)
         np.testing.assert_allclose(t_u.residual, t.residual, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(t_u.attention, t.attention, rtol=1e-5, atol=1e-6)

@@ -12,6 +12,7 @@ import pytest
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import (
     MAX_TOP_LOGPROBS, SamplingParams, _filter_mask, _filter_rows, needs_full_sampler, sample, sampling_row,
 )
@@ -45,7 +46,7 @@ def tiny_params():
 def _tiny_engine(params, branches: str) -> Engine:
     config = EngineConfig(max_slots=4, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 16), min_ctx_pages=2,
                           decode_steps_per_call=4, decode_widths=(4,))
-    return Engine(TINY.replace(sampler_branches=branches), params, eos_ids=[0], config=config)
+    return Engine(TINY, params, eos_ids=[0], config=config, options=RuntimeOptions(sampler_branches=branches))
 
 
 def _run(engine: Engine, requests) -> list:

@@ -15,6 +15,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.model.forward import _after
 from jaxllm.params import layout_params
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.state import StateLayout
 
 # SmolLM2-135M's shapes with 4 layers (tiny shapes do not show the copies).
@@ -22,16 +23,17 @@ CFG = ModelConfig(
     family="llama", vocab_size=49152, d_model=576, n_layers=4, n_heads=9, n_kv_heads=3, head_dim=64,
     ffn_dim=1536, max_position=512,
 )
+OPTS = RuntimeOptions()
 # One slot: its one-token K/V write is a dynamic-update-slice, the case XLA copied the cache for.
 LAYOUT = StateLayout(max_slots=1, page_size=16, n_pages=31, max_pages_per_seq=28)
 
 
 def _compiled_decode(scan_layers: bool) -> str:
     params = layout_params(dummy_params(CFG), scan_layers)
-    state = steps.new_state(CFG, LAYOUT)
+    state = steps.new_state(CFG, LAYOUT, OPTS)
     inputs = steps.round_inputs(LAYOUT.max_slots, CFG.vocab_size)
     lowered = steps.decode_steps.lower(
-        params, state, inputs, cfg=CFG, n_steps=2, n_ctx_pages=28, decode_width=LAYOUT.max_slots
+        params, state, inputs, cfg=CFG, opts=OPTS, n_steps=2, n_ctx_pages=28, decode_width=LAYOUT.max_slots
     )
     return lowered.compile().as_text()
 
@@ -48,10 +50,10 @@ def test_unrolled_layers_keep_one_layers_context_live():
     # The temp buffer must not grow with the layer count: each layer's gathered context K/V
     # ([slots, context, K, Dh], twice) is read right before that layer, not all up front.
     params = layout_params(dummy_params(CFG), False)
-    state = steps.new_state(CFG, LAYOUT)
+    state = steps.new_state(CFG, LAYOUT, OPTS)
     inputs = steps.round_inputs(LAYOUT.max_slots, CFG.vocab_size)
     compiled = steps.decode_steps.lower(
-        params, state, inputs, cfg=CFG, n_steps=1, n_ctx_pages=28, decode_width=LAYOUT.max_slots
+        params, state, inputs, cfg=CFG, opts=OPTS, n_steps=1, n_ctx_pages=28, decode_width=LAYOUT.max_slots
     ).compile()
     context_bytes = 2 * LAYOUT.max_slots * 28 * LAYOUT.page_size * CFG.n_kv_heads * CFG.head_dim * 4
     temp = compiled.memory_analysis().temp_size_in_bytes

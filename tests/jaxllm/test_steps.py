@@ -13,6 +13,7 @@ from jaxllm.attention import paged_decode_cpu
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig, EngineFull
 from jaxllm.loading.dummy import dummy_params
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.model import matvec_cpu
 from jaxllm.sampling import SamplingParams, process_logits
 from jaxllm.state import empty_sampling
@@ -31,13 +32,13 @@ def params():
 
 def make_engine(
     params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32), decode_widths=(1, 2), chunk_segments=1, cfg=CFG,
-    chunk_decode_width=0, min_ctx_pages=2, warmup_runs=None, max_seq_len=128,
+    opts=RuntimeOptions(), chunk_decode_width=0, min_ctx_pages=2, warmup_runs=None, max_seq_len=128,
 ) -> Engine:
     config = EngineConfig(max_slots=slots, kv_bytes=1 << 20, max_seq_len=max_seq_len, chunk_buckets=chunk_buckets,
                           min_ctx_pages=min_ctx_pages, decode_steps_per_call=steps_per_call, decode_widths=decode_widths,
                           chunk_segments=chunk_segments, chunk_decode_width=chunk_decode_width,
                           warmup_runs=warmup_runs)
-    return Engine(cfg, params, eos_ids=[0], config=config)
+    return Engine(cfg, params, eos_ids=[0], config=config, options=opts)
 
 
 def run_until_done(engine: Engine, seqs) -> None:
@@ -272,8 +273,8 @@ def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
                 for i in range(2)]
 
     def run(**kernels: str) -> tuple[list[list[int]], np.ndarray]:
-        cfg = CFG.replace(scan_layers=scan_layers, **kernels)
-        engine = make_engine(laid_out, steps_per_call=3, cfg=cfg)
+        opts = RuntimeOptions(scan_layers=scan_layers, **kernels)
+        engine = make_engine(laid_out, steps_per_call=3, opts=opts)
         first = engine.add(prompts[0], sampling[0])
         engine.step()
         second = engine.add(prompts[1], sampling[1])
@@ -292,7 +293,7 @@ def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
     # What a GPU decode round runs: the attention and norm kernels around XLA's dots.
     check(decode_attention="interpret", decode_matmul="xla", decode_norm="interpret")
     # The defaults: on the CPU in float32, the C++ attention and matmul kernels.
-    if paged_decode_cpu.available(CFG.dtype) and matvec_cpu.available(CFG.dtype):
+    if paged_decode_cpu.available("float32") and matvec_cpu.available("float32"):
         check()
 
 
