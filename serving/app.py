@@ -116,7 +116,7 @@ class Server:
             self.model = self.loader()
             self.costs = dataclasses.asdict(model_costs(self.model.cfg, self.model.params, self.model.options))
             e = self.settings.current.engine
-            self.engine = self.model.engine(e.engine_config())
+            self.engine = self.model.engine(e.engine_config(kv_bytes_per_page(self.model.cfg, 1, self.model.options)))
             cfg, opts = self.model.cfg, self.model.options
             engine = self.engine
 

@@ -180,8 +180,8 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
         raise bad("'stop_token_ids' must be token ids", "stop_token_ids")
     top_k = _get(body, "top_k", int, d.top_k)
     drafts = _get(body, "drafts", int, None)
-    if drafts is not None and not 0 <= drafts <= settings.engine.max_drafts:
-        raise bad(f"'drafts' must be in [0, {settings.engine.max_drafts}] (the server's max_drafts)", "drafts")
+    if drafts is not None and not 0 <= drafts <= settings.engine.drafts:
+        raise bad(f"'drafts' must be in [0, {settings.engine.drafts}] (the server's max_drafts)", "drafts")
     p = SamplingParams(
         temperature=_number(body, "temperature", d.temperature),
         top_k=0 if top_k == -1 else min(top_k, vocab),  # past the vocabulary it keeps every token

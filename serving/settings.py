@@ -52,39 +52,133 @@ class Defaults:
     tool_call_format: str = ""
 
 
-_ENGINE = EngineConfig()  # the runtime's defaults are the server's
+BACKENDS = ("auto", "cpu", "gpu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineShape:
-    """Settings baked into compiled shapes (restart to change)."""
+    """Settings baked into compiled shapes (restart to change).
 
-    max_slots: int = _ENGINE.max_slots
-    kv_mib: int = _ENGINE.kv_bytes >> 20
-    max_seq_len: int = _ENGINE.max_seq_len
-    page_size: int = _ENGINE.page_size
-    chunk_buckets: tuple[int, ...] = _ENGINE.chunk_buckets
-    min_ctx_pages: int = _ENGINE.min_ctx_pages
-    decode_steps_per_call: int = _ENGINE.decode_steps_per_call
-    decode_widths: tuple[int, ...] = _ENGINE.decode_widths
-    chunk_segments: int = _ENGINE.chunk_segments
-    chunk_decode_width: int = _ENGINE.chunk_decode_width
+    Four user settings (`slots`, `context`, `kv_mib`, `backend`) derive every shape of the
+    runtime's EngineConfig (`derive_engine`); each derived field may still be set by name
+    (an advanced override; None = derived). `max_slots` and `max_seq_len` are the older
+    spellings of `slots` and `context`.
+    """
+
+    slots: int = 8  # sequences decoding at once
+    context: int = 2048  # longest sequence, prompt plus output (positions)
+    kv_mib: int = 256  # K/V cache budget; 0 = enough for every slot at full context
+    backend: str = "auto"  # auto | cpu | gpu: which backend's shapes to derive (auto: the default device's)
+    # Advanced overrides (None = derived; see `derive_engine`).
+    max_slots: int | None = None
+    max_seq_len: int | None = None
+    page_size: int | None = None
+    chunk_buckets: tuple[int, ...] | None = None
+    min_ctx_pages: int | None = None
+    decode_steps_per_call: int | None = None
+    decode_widths: tuple[int, ...] | None = None
+    chunk_segments: int | None = None
+    chunk_decode_width: int | None = None
     # Speculative decoding: prompt-lookup drafts verified per sequence and round (0 = off);
     # a request's `drafts` may ask for fewer.
-    max_drafts: int = _ENGINE.max_drafts
+    max_drafts: int | None = None
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"[engine] backend = {self.backend!r}: must be one of {', '.join(BACKENDS)}")
+        for old, new in (("max_slots", "slots"), ("max_seq_len", "context")):
+            if getattr(self, old) is not None and getattr(self, new) != EngineShape.__dataclass_fields__[new].default \
+                    and getattr(self, old) != getattr(self, new):
+                raise ValueError(f"[engine] sets both {new} and its older spelling {old}, differently")
         self.engine_config()  # a bad shape fails when the settings are read, with the runtime's message
 
-    def engine_config(self) -> EngineConfig:
-        """The runtime's EngineConfig for these shapes."""
-        return EngineConfig(
-            max_slots=self.max_slots, kv_bytes=self.kv_mib << 20, max_seq_len=self.max_seq_len,
-            page_size=self.page_size, chunk_buckets=tuple(self.chunk_buckets), min_ctx_pages=self.min_ctx_pages,
-            decode_steps_per_call=self.decode_steps_per_call, decode_widths=tuple(self.decode_widths),
-            chunk_segments=self.chunk_segments, chunk_decode_width=self.chunk_decode_width,
-            max_drafts=self.max_drafts,
+    @property
+    def n_slots(self) -> int:
+        return self.max_slots if self.max_slots is not None else self.slots
+
+    @property
+    def n_context(self) -> int:
+        return self.max_seq_len if self.max_seq_len is not None else self.context
+
+    @property
+    def drafts(self) -> int:
+        """The most drafts a request may ask for (0 = speculative decoding off)."""
+        return self.max_drafts or 0
+
+    def overrides(self) -> dict[str, Any]:
+        """The advanced fields this file sets, by EngineConfig name."""
+        names = ("page_size", "chunk_buckets", "min_ctx_pages", "decode_steps_per_call", "decode_widths",
+                 "chunk_segments", "chunk_decode_width", "max_drafts")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def engine_config(self, kv_bytes_per_position: int | None = None, backend: str | None = None) -> EngineConfig:
+        """The runtime's EngineConfig for these settings.
+
+        Args:
+          kv_bytes_per_position: the model's K/V bytes per position (`kv_bytes_per_page(cfg,
+            1, opts)`); sizes the cache when `kv_mib` is 0 (None: one byte, for checks only).
+          backend: the backend to derive for when `backend` is "auto" (None: JAX's default).
+        """
+        resolved = self.backend if self.backend != "auto" else backend or _default_backend()
+        return derive_engine(
+            slots=self.n_slots, context=self.n_context, kv_mib=self.kv_mib, backend=resolved,
+            kv_bytes_per_position=kv_bytes_per_position or 1, **self.overrides(),
         )
+
+
+def _default_backend() -> str:
+    import jax
+
+    return "gpu" if jax.default_backend() == "gpu" else "cpu"
+
+
+def derive_engine(*, slots: int, context: int, kv_mib: int, backend: str, kv_bytes_per_position: int = 1,
+                  **overrides: Any) -> EngineConfig:
+    """Every EngineConfig shape from slots, context, the K/V budget and the backend.
+
+    CPU: prefill is compute-bound, so chunk buckets at most double one another (little padding
+    thrown away); few decode steps per call; one prompt per chunk (packing multiplies the
+    reference attention's cost); past 4 slots a one-row decode part for a lone request. GPU: a small model is launch-bound, so more decode steps per
+    call; the paged decode kernel reads only live pages, so one context bucket (fewer compiled
+    variants, nothing lost); with many slots, prompts packed four to a chunk, chunk rounds
+    compiled at the full decode width only, and a narrower decode part for low occupancy.
+
+    Args:
+      slots, context, kv_mib, backend ("cpu" or "gpu"): the user settings; kv_mib 0 sizes the
+        cache for every slot at full context (plus a page each and the trash page).
+      kv_bytes_per_position: the model's, for kv_mib 0.
+      overrides: EngineConfig fields set by hand (win over the derived ones).
+    """
+    page = overrides.get("page_size", 16)
+    if backend == "gpu":
+        many = slots >= 32
+        top = min(4096, max(512, 64 * slots))
+        shapes: dict[str, Any] = dict(
+            chunk_segments=4 if many else 1,
+            chunk_buckets=(top // 8, top // 2, top) if many else (32, 128, min(top, max(context, 128))),
+            decode_steps_per_call=16 if slots <= 16 else 8,
+            decode_widths=(1, slots // 8) if slots > 8 else (1,),
+            chunk_decode_width=slots if many else 0,
+            min_ctx_pages=-(-context // page),
+        )
+    else:
+        base = (32, 128, 256, 512)
+        limit = min(base[-1], context)
+        shapes = dict(
+            chunk_segments=1,
+            chunk_buckets=tuple(b for b in base if b < limit) + (limit,),
+            decode_steps_per_call=4,
+            decode_widths=(1,) if slots > 4 else (),  # a one-row decode part for low occupancy
+            chunk_decode_width=0,
+            min_ctx_pages=8,
+        )
+    if kv_mib:
+        kv_bytes = kv_mib << 20
+    else:
+        kv_bytes = (slots * (-(-context // page) + 1) + 1) * page * kv_bytes_per_position
+    shapes.update(overrides)
+    return EngineConfig(max_slots=slots, max_seq_len=context, kv_bytes=kv_bytes, page_size=page,
+                        **{k: tuple(v) if isinstance(v, list) else v for k, v in shapes.items() if k != "page_size"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,6 +198,7 @@ class Settings:
 _MINIMUM: dict[str, float] = {
     "active_requests": 1, "active_state_mib": 1, "request_bytes": 1, "response_bytes": 1, "max_output_tokens": 1,
     "prefill_quantum": 1, "max_messages": 1, "max_tokens": 1, "top_k": -1, "max_connections": 1,
+    "slots": 1, "context": 1,
 }
 _EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p", "body_seconds", "profile_max_seconds"}  # must be > 0
 
@@ -111,6 +206,8 @@ _EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p", "body_seconds", "profile_ma
 def _check_value(name: str, value: Any, kind: Any, where: str) -> None:
     """The TOML value has the field's type (ints count as floats) and a sane range."""
     label = f"[{where}] {name} = {value!r}"
+    if isinstance(kind, str):
+        kind = kind.removesuffix(" | None")  # an optional (advanced) setting: None is its absence
     if kind in ("int", int):
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind in ("float", float):
@@ -121,6 +218,8 @@ def _check_value(name: str, value: Any, kind: Any, where: str) -> None:
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if not ok:
         raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers')}")
+    if name == "backend" and value not in BACKENDS:
+        raise ValueError(f"{label}: must be one of {', '.join(BACKENDS)}")
     if name == "tool_call_format" and value not in ("", *FORMATS):
         raise ValueError(f"{label}: must be one of \"\", {', '.join(FORMATS)}")
     if isinstance(value, (int, float)):

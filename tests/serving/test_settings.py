@@ -1,0 +1,72 @@
+"""The [engine] shapes derived from slots, context, K/V budget and backend (serving.settings)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from jaxllm.config import load_config_json
+from jaxllm.engine import EngineConfig
+from jaxllm.runtime_options import RuntimeOptions
+from jaxllm.state import kv_bytes_per_page, layout_for_budget
+from serving.settings import EngineShape, derive_engine, load_settings, parse_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_shapes_from_the_four_settings():
+    e = derive_engine(slots=8, context=2048, kv_mib=256, backend="cpu")
+    assert (e.max_slots, e.max_seq_len, e.kv_bytes, e.page_size) == (8, 2048, 256 << 20, 16)
+    assert e.chunk_buckets == (32, 128, 256, 512)  # each at most doubles the one below
+    assert (e.decode_steps_per_call, e.decode_widths, e.chunk_segments, e.chunk_decode_width) == (4, (1,), 1, 0)
+    # A short context caps the buckets: no chunk longer than a sequence.
+    assert derive_engine(slots=2, context=200, kv_mib=8, backend="cpu").chunk_buckets == (32, 128, 200)
+
+
+def test_gpu_shapes_scale_with_slots():
+    small = derive_engine(slots=8, context=2048, kv_mib=256, backend="gpu")
+    assert small.chunk_buckets == (32, 128, 512) and small.decode_steps_per_call == 16
+    assert small.min_ctx_pages == 2048 // 16  # one context bucket
+    big = derive_engine(slots=64, context=2176, kv_mib=24000, backend="gpu")
+    assert big.chunk_buckets == (512, 2048, 4096) and big.chunk_segments == 4
+    assert (big.decode_widths, big.chunk_decode_width, big.decode_steps_per_call) == ((1, 8), 64, 8)
+    assert big.min_ctx_pages == 136
+
+
+def test_budget_zero_holds_every_slot_at_full_context():
+    cfg = load_config_json(ROOT / "configs" / "smollm2-135m.json")
+    opts = RuntimeOptions()
+    e = derive_engine(slots=4, context=1000, kv_mib=0, backend="cpu",
+                      kv_bytes_per_position=kv_bytes_per_page(cfg, 1, opts))
+    layout = layout_for_budget(cfg, opts, kv_bytes=e.kv_bytes, max_slots=e.max_slots, max_seq_len=e.max_seq_len)
+    assert layout.max_pages_per_seq == 63  # ceil(1000 / 16)
+    assert layout.n_pages - 1 >= 4 * layout.max_pages_per_seq  # every slot full, trash page aside
+    # A fixed budget gives the pages it pays for.
+    e = derive_engine(slots=4, context=1000, kv_mib=64, backend="cpu")
+    layout = layout_for_budget(cfg, opts, kv_bytes=e.kv_bytes, max_slots=4, max_seq_len=1000)
+    assert layout.n_pages == (64 << 20) // kv_bytes_per_page(cfg, 16, opts)
+
+
+def test_advanced_overrides_and_older_spellings():
+    s = parse_settings({"engine": {"slots": 4, "backend": "cpu", "decode_steps_per_call": 2, "chunk_buckets": [8, 16]}})
+    e = s.engine.engine_config()
+    assert (e.max_slots, e.decode_steps_per_call, e.chunk_buckets) == (4, 2, (8, 16))
+    old = parse_settings({"engine": {"max_slots": 3, "max_seq_len": 512, "kv_mib": 16}}).engine.engine_config(backend="cpu")
+    assert (old.max_slots, old.max_seq_len) == (3, 512)
+    with pytest.raises(ValueError, match="backend"):
+        parse_settings({"engine": {"backend": "tpu"}})
+    with pytest.raises(ValueError, match="slots"):
+        parse_settings({"engine": {"slots": 0}})
+    with pytest.raises(ValueError, match="older spelling"):
+        EngineShape(slots=4, max_slots=5)
+
+
+@pytest.mark.parametrize("name", ["server.toml", "gpu-smollm2.toml", "gpu-llama3-8b.toml"])
+def test_shipped_settings_derive_a_valid_engine(name):
+    settings = load_settings(ROOT / "configs" / name)
+    assert isinstance(settings.engine.engine_config(backend="cpu"), EngineConfig)
+    with open(ROOT / "configs" / name, "rb") as f:
+        engine = tomllib.load(f)["engine"]
+    assert set(engine) == {"slots", "context", "kv_mib", "backend"}  # no hand-tuned shapes
