@@ -38,10 +38,19 @@ class Model:
     params: Params
     tokenizer: Tokenizer
     options: RuntimeOptions = RuntimeOptions()
+    # The checkpoint's sampling defaults (`jaxllm.loading.generation`); a server's fallbacks.
+    generation_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def engine(self, config: EngineConfig | None = None) -> Engine:
         return Engine(self.cfg, self.params, eos_ids=self.tokenizer.eos_ids, config=config or EngineConfig(),
                       options=self.options)
+
+    def save(self, path: str) -> None:
+        """Writes an orbax model directory with the tokenizer, chat template and generation
+        defaults beside the weights; `jaxllm.load(path)` reads it all back."""
+        from jaxllm.loading.orbax_io import save_model
+
+        save_model(path, self.cfg, self.params, tokenizer=self.tokenizer, generation_defaults=self.generation_defaults)
 
     def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
@@ -154,7 +163,18 @@ def load(
     """
     options = RuntimeOptions(dtype=dtype, scan_layers=scan_layers, kv_dtype=kv_dtype, **debug_overrides())
     cfg, params = load_model(model, fmt=load_format, options=options, config_path=config_path)
-    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(model, load_format, cfg), options=options)
+    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(model, load_format, cfg), options=options,
+                 generation_defaults=load_generation_defaults(model, load_format))
+
+
+def load_generation_defaults(model: str, load_format: str) -> dict[str, float]:
+    """The checkpoint's sampling defaults (none for random weights)."""
+    if load_format == "dummy":
+        return {}
+    from jaxllm.loading.default_model import resolve_model
+    from jaxllm.loading.generation import generation_defaults
+
+    return generation_defaults(resolve_model(model))
 
 
 def load_tokenizer(model: str, load_format: str, cfg: ModelConfig) -> Tokenizer:

@@ -84,6 +84,22 @@ def _byte_level_bpe(
     return tok
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable stand-in character of each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as strings or AddedToken dicts."""
     if isinstance(value, dict):
@@ -134,6 +150,8 @@ class Tokenizer:
         self._special_ids = frozenset(special_ids) | self._eos_ids
         self._chat_template = chat_template
         self._vocab_size = vocab_size or hf.get_vocab_size(with_added_tokens=True)
+        self._added = frozenset(hf.get_added_tokens_decoder())
+        self._byte_level = isinstance(hf.decoder, decoders.ByteLevel)
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -312,6 +330,41 @@ class Tokenizer:
         if piece is None:
             raise KeyError(f"token id {token_id} is outside the vocabulary")
         return piece
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text `token_id` stands for (a byte-level piece such as 'Ġsea' is
+        b' sea'; a piece of a multi-byte character is part of its UTF-8 encoding)."""
+        piece = self.id_to_piece(token_id)
+        if self._byte_level and token_id not in self._added and all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        return self._hf.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """The token as OpenAI's logprobs show it: its decoded text, or `bytes:\\xe2\\x80` (the
+        escaped bytes) for a token that is not whole UTF-8 on its own."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def save_hf_dir(self, path: str | Path) -> None:
+        """Writes `tokenizer.json`, `tokenizer_config.json` (chat template, bos/eos) and the
+        eos ids into `generation_config.json` (merged with what is there), so that
+        `from_hf_dir(path)` reads this tokenizer back."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._hf.save(str(path / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": self._chat_template,
+                  **self.special_tokens_map}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        gen_file = path / "generation_config.json"
+        gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.is_file() else {}
+        primary = [self._eos_id] if self._eos_id is not None else []
+        gen["eos_token_id"] = primary + sorted(self._eos_ids - set(primary))
+        if self._bos_id is not None:
+            gen["bos_token_id"] = self._bos_id
+        gen_file.write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one generated sequence."""

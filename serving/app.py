@@ -114,6 +114,9 @@ class Server:
         try:
             started = time.perf_counter()
             self.model = self.loader()
+            self.settings.use_model_defaults(self.model.generation_defaults)
+            log.info("sampling defaults: %s (settings [defaults], else the model's generation config, else OpenAI's)",
+                     self.settings.current.sampling_defaults)
             self.costs = dataclasses.asdict(model_costs(self.model.cfg, self.model.params, self.model.options))
             e = self.settings.current.engine
             self.engine = self.model.engine(e.engine_config(kv_bytes_per_page(self.model.cfg, 1, self.model.options)))
@@ -309,7 +312,8 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
     job = Job(id=srv.next_id(kind), prepared=prepared, settings=settings, output=output, reservation=reservation,
               pages=pages, arrived=srv.scheduler.clock(), session_id=session_id,
               session_messages=prepared.messages if session_id else [])
-    fmt = Formatter(kind, job.id, srv.model_name, include_usage=prepared.include_usage, logprobs=prepared.logprobs)
+    fmt = Formatter(kind, job.id, srv.model_name, include_usage=prepared.include_usage, logprobs=prepared.logprobs,
+                    echo=prepared.echo_text)
     headers = {"x-session-id": session_id} if session_id else {}
     srv.scheduler.submit(job)
     try:

@@ -86,10 +86,17 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _token_bytes(token: str) -> list[int]:
+    """A logprob token's UTF-8 bytes; `bytes:\\xe6\\x97` (part of a character) spells them out."""
+    if token.startswith("bytes:\\x"):
+        return list(bytes.fromhex(token[len("bytes:"):].replace("\\x", "")))
+    return list(token.encode())
+
+
 def _chat_logprobs(items: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     return {"content": [
-        {"token": t, "logprob": lp, "bytes": list(t.encode()),
-         "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())} for a, b in top]}
+        {"token": t, "logprob": lp, "bytes": _token_bytes(t),
+         "top_logprobs": [{"token": a, "logprob": b, "bytes": _token_bytes(a)} for a, b in top]}
         for t, lp, top in items
     ]}
 
@@ -106,8 +113,11 @@ def _completion_logprobs(items: tuple[TokenLogprob, ...], offset: int = 0) -> di
 class Formatter:
     """Builds chunks and whole responses in the OpenAI shapes for one request."""
 
-    def __init__(self, kind: str, request_id: str, model: str, *, include_usage: bool, logprobs: bool):
+    def __init__(self, kind: str, request_id: str, model: str, *, include_usage: bool, logprobs: bool,
+                 echo: str = ""):
+        """`echo`: text put before each choice's (a completion's `echo`: the prompt)."""
         self.kind = kind
+        self.echo = echo
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -139,19 +149,28 @@ class Formatter:
                     return []
                 lp = _chat_logprobs(frame.logprobs) if self.logprobs and frame.logprobs else None
                 return [self._chunk([{"index": frame.index, "delta": delta, "logprobs": lp, "finish_reason": None}])]
-            if not frame.text and not frame.logprobs:
+            text = self._echo(frame.index) + frame.text
+            if not text and not frame.logprobs:
                 return []
             lp = _completion_logprobs(frame.logprobs) if self.logprobs and frame.logprobs else None
-            return [self._chunk([{"index": frame.index, "text": frame.text, "logprobs": lp, "finish_reason": None}])]
+            return [self._chunk([{"index": frame.index, "text": text, "logprobs": lp, "finish_reason": None}])]
         if isinstance(frame, Finish):
             if self.kind == "chat":
                 delta = {} if frame.index in self._started else {"role": "assistant", "content": ""}
                 self._started.add(frame.index)
                 return [self._chunk([{"index": frame.index, "delta": delta, "logprobs": None, "finish_reason": frame.reason}])]
-            return [self._chunk([{"index": frame.index, "text": "", "logprobs": None, "finish_reason": frame.reason}])]
+            text = self._echo(frame.index)
+            return [self._chunk([{"index": frame.index, "text": text, "logprobs": None, "finish_reason": frame.reason}])]
         if isinstance(frame, Done) and self.include_usage:
             return [self._chunk([], frame.usage)]
         return []
+
+    def _echo(self, index: int) -> str:
+        """The echo text, once per choice (before its first streamed text)."""
+        if not self.echo or index in self._started:
+            return ""
+        self._started.add(index)
+        return self.echo
 
     def response(self, finishes: list[Finish], done: Done) -> dict[str, Any]:
         """The non-streaming response body."""
@@ -165,7 +184,7 @@ class Formatter:
                 choices.append({"index": f.index, "message": msg, "logprobs": lp, "finish_reason": f.reason})
             else:
                 lp = _completion_logprobs(f.logprobs) if self.logprobs else None
-                choices.append({"index": f.index, "text": f.text, "logprobs": lp, "finish_reason": f.reason})
+                choices.append({"index": f.index, "text": self.echo + f.text, "logprobs": lp, "finish_reason": f.reason})
         body = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": done.usage}
         if done.session:

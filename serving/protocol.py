@@ -48,6 +48,7 @@ class Prepared:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
+    echo_text: str = ""  # /v1/completions' echo: the prompt, put before each choice's text
     skip_special_tokens: bool = True
     tools: ToolContract | None = None
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # new messages (sessions)
@@ -157,8 +158,8 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_context: int,
-              vocab: int, logprobs: bool, top_logprobs: int, seed: int | None) -> SamplingParams:
-    d, lim = settings.defaults, settings.limits
+              vocab: int, logprobs: bool, top_logprobs: int, seed: int | None, completion: bool = False) -> SamplingParams:
+    d, lim, sd = settings.defaults, settings.limits, settings.sampling_defaults
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
@@ -178,16 +179,16 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
     stop_ids = _get(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise bad("'stop_token_ids' must be token ids", "stop_token_ids")
-    top_k = _get(body, "top_k", int, d.top_k)
+    top_k = _get(body, "top_k", int, sd["top_k"])
     drafts = _get(body, "drafts", int, None)
     if drafts is not None and not 0 <= drafts <= settings.engine.drafts:
         raise bad(f"'drafts' must be in [0, {settings.engine.drafts}] (the server's max_drafts)", "drafts")
     p = SamplingParams(
-        temperature=_number(body, "temperature", d.temperature),
+        temperature=_number(body, "temperature", sd["temperature"]),
         top_k=0 if top_k == -1 else min(top_k, vocab),  # past the vocabulary it keeps every token
-        top_p=_number(body, "top_p", d.top_p),
-        min_p=_number(body, "min_p", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        top_p=_number(body, "top_p", sd["top_p"]),
+        min_p=_number(body, "min_p", sd["min_p"]),
+        repetition_penalty=_number(body, "repetition_penalty", sd["repetition_penalty"]),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         logit_bias=logit_bias,
@@ -203,28 +204,34 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
     try:
         p.validate(vocab)
     except ValueError as e:
-        raise bad(str(e), _sampler_param(str(e))) from None
+        raise bad(str(e), _sampler_param(str(e), body, completion)) from None
     return p
 
 
-# Fields whose sampler message starts with their name ("top_p must be in (0, 1]").
-_SAMPLER_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                             "frequency_penalty", "max_tokens", "min_tokens", "top_logprobs", "logit_bias",
-                             "stop_token_ids"})
+# SamplingParams fields; a `validate` message starts with the one it is about.
+_SAMPLER_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def _sampler_param(message: str) -> str | None:
-    """The request field a `SamplingParams.validate` message is about."""
+def _sampler_param(message: str, body: Mapping[str, Any], completion: bool) -> str | None:
+    """The request field a `SamplingParams.validate` message is about, by the request's name
+    for it (a completion's `logprobs` is the sampler's top_logprobs; max_tokens may have
+    come as max_completion_tokens)."""
     first = message.split(" ", 1)[0]
-    return first if first in _SAMPLER_FIELDS else None
+    if first not in _SAMPLER_FIELDS:
+        return None
+    if first == "top_logprobs" and completion:
+        return "logprobs"
+    if first == "max_tokens" and "max_tokens" not in body and "max_completion_tokens" in body:
+        return "max_completion_tokens"
+    return first
 
 
 def _choices(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_context: int, vocab: int,
-             logprobs: bool, top_logprobs: int, seed: int | None) -> list[SamplingParams]:
+             logprobs: bool, top_logprobs: int, seed: int | None, completion: bool = False) -> list[SamplingParams]:
     n = _get(body, "n", int, 1)
     if not 1 <= n <= 16:
         raise bad("'n' must be between 1 and 16", "n")
-    base = _sampling(body, settings, prompt_len, max_context, vocab, logprobs, top_logprobs, seed)
+    base = _sampling(body, settings, prompt_len, max_context, vocab, logprobs, top_logprobs, seed, completion)
     if seed is None:
         return [base] * n
     return [dataclasses.replace(base, seed=(seed + i) & 0xFFFFFFFF) for i in range(n)]
@@ -307,6 +314,8 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Se
                      model_name: str, vocab: int) -> Prepared:
     check_completion(body)
     common = _common(body)
+    if body.get("session") is not None:
+        raise bad("'session' is only supported on /v1/chat/completions", "session")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -324,9 +333,14 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Se
     if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
         raise bad(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
     logprobs = lp is not None
-    params = _choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"])
+    echo = bool(_get(body, "echo", bool, False))
+    if echo and logprobs:  # the prompt tokens' logprobs would need the prompt's logits, which prefill skips
+        raise bad("'echo' with 'logprobs' is not supported (the prompt's logprobs are not computed)", "echo")
+    params = _choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"], completion=True)
+    echo_text = "" if not echo else prompt if isinstance(prompt, str) else tokenizer.decode(
+        ids, skip_special_tokens=common["skip_special_tokens"])
     return Prepared(kind="completion", model=model_name, prompt=ids, boundaries=[], params=params,
                     stop=common["stop"], stream=common["stream"], include_usage=common["include_usage"],
-                    logprobs=logprobs, top_logprobs=lp or 0, echo=bool(_get(body, "echo", bool, False)),
+                    logprobs=logprobs, top_logprobs=lp or 0, echo=echo, echo_text=echo_text,
                     skip_special_tokens=common["skip_special_tokens"], user=common["user"],
                     seed_given=common["seed"] is not None)

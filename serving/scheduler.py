@@ -71,7 +71,7 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def detokenizer(self, skip_special_tokens: bool = True) -> Any: ...
-    def id_to_piece(self, token_id: int) -> str: ...
+    def token_text(self, token_id: int) -> str: ...
 
 
 class CompileCounter:
@@ -517,8 +517,8 @@ class Scheduler:
         items: list[TokenLogprob] = []
         if p.logprobs:
             for i, t in enumerate(tokens):
-                tops = [(self.tok.id_to_piece(tid), lp) for tid, lp in (ev.top_logprobs[i] if i < len(ev.top_logprobs) else [])]
-                items.append((self.tok.id_to_piece(t), ev.logprobs[i], tops))
+                tops = [(self.tok.token_text(tid), lp) for tid, lp in (ev.top_logprobs[i] if i < len(ev.top_logprobs) else [])]
+                items.append((self.tok.token_text(t), ev.logprobs[i], tops))
             c.logprobs.extend(items)
         for t in text_tokens:
             if c.stop_at is not None:

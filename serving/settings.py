@@ -43,11 +43,19 @@ class Limits:
     profile_max_mib: int = 1024  # no new trace while --profile-dir holds this much
 
 
+# OpenAI's sampling defaults: what a request gets when neither the settings nor the model's
+# generation config (`jaxllm.loading.generation.generation_defaults`) name a value.
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Defaults:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    # Sampling defaults: unset (None) takes the model's generation config, else OpenAI's.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     max_tokens: int = 256
     tool_call_format: str = ""
 
@@ -187,10 +195,24 @@ class Settings:
     defaults: Defaults = Defaults()
     engine: EngineShape = EngineShape()
     generation: int = 0
+    # The loaded model's generation defaults ((name, value) pairs; see `sampling_defaults`).
+    model_defaults: tuple[tuple[str, float], ...] = ()
 
     @property
     def budget_bytes(self) -> int:
         return self.limits.active_state_mib << 20
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """Each sampling default a request falls back to: the settings file's value, else the
+        model's generation config (as vLLM does), else OpenAI's."""
+        model = dict(self.model_defaults)
+        out = {}
+        for name, fallback in OPENAI_SAMPLING.items():
+            mine = getattr(self.defaults, name)
+            out[name] = mine if mine is not None else model.get(name, fallback)
+        out["top_k"] = int(out["top_k"])
+        return out
 
 
 # Smallest value of each numeric setting (default 0); a value the server divides by or
@@ -237,7 +259,8 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
         raise ValueError(f"unknown setting(s) in [{where}]: {', '.join(sorted(unknown))}")
     for name, value in table.items():
         _check_value(name, value, fields[name], where)
-    kw = {k: tuple(v) if isinstance(v, list) else float(v) if fields[k] in ("float", float) else v
+    floats = ("float", float, "float | None")
+    kw = {k: tuple(v) if isinstance(v, list) else float(v) if fields[k] in floats else v
           for k, v in table.items()}
     return cls(**kw)
 
@@ -270,6 +293,12 @@ class SettingsStore:
         self._lock = threading.Lock()
         self.current = settings
 
+    def use_model_defaults(self, defaults: dict[str, float]) -> None:
+        """Records the loaded model's generation defaults (kept across reloads)."""
+        with self._lock:
+            pairs = tuple(sorted((k, float(v)) for k, v in defaults.items() if k in OPENAI_SAMPLING))
+            self.current = dataclasses.replace(self.current, model_defaults=pairs)
+
     def reload(self) -> dict[str, Any]:
         """Re-reads the file; returns {generation, changed, needs_restart}."""
         with self._lock:
@@ -290,5 +319,5 @@ class SettingsStore:
                 for f in dataclasses.fields(getattr(old, table))
                 if getattr(getattr(new, table), f.name) != getattr(getattr(old, table), f.name)
             ]
-            self.current = dataclasses.replace(new, engine=old.engine)
+            self.current = dataclasses.replace(new, engine=old.engine, model_defaults=old.model_defaults)
             return {"generation": self.current.generation, "changed": changed, "needs_restart": needs_restart}

@@ -2,7 +2,10 @@
 
 A model checkpoint is a directory holding `params/` (an orbax StandardCheckpointer
 checkpoint) and `model_config.json` (our ModelConfig fields; deliberately not named
-config.json, which marks a Hugging Face directory for `load_model`'s auto detection).
+config.json, which marks a Hugging Face directory for `load_model`'s auto detection), and,
+when saved with one, the tokenizer in Hugging Face's files (`tokenizer.json`,
+`tokenizer_config.json` with the chat template, `generation_config.json` with the eos ids and
+the sampling defaults), so that `jaxllm.load` gets the same tokenizer and template back.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import orbax.checkpoint as ocp
 
 from jaxllm.config import ModelConfig, RopeScaling
 from jaxllm.params import Params, canonical_params, check_params, param_shapes
+from jaxllm.tokenizer import Tokenizer
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
@@ -89,14 +93,30 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def save_model(path: str | Path, cfg: ModelConfig, params: Params) -> None:
-    """Writes params (orbax, the canonical tree) and the config (JSON) into directory `path`."""
+def save_model(path: str | Path, cfg: ModelConfig, params: Params, *, tokenizer: Tokenizer | None = None,
+               generation_defaults: dict[str, float] | None = None) -> None:
+    """Writes params (orbax, the canonical tree) and the config (JSON) into directory `path`.
+
+    Args:
+      path: the directory (created).
+      cfg, params: the model.
+      tokenizer: saved beside the weights (with its chat template); without one, loading
+        the directory gives a synthetic tokenizer.
+      generation_defaults: sampling defaults (`jaxllm.loading.generation`) to store in
+        generation_config.json.
+    """
     check_params(params, cfg)
     params = canonical_params(params)  # a runtime tree (unrolled, fused) is stored like any other
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_pytree(path / PARAMS_DIR, params)
     (path / CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+    if generation_defaults:
+        gen_file = path / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        gen_file.write_text(json.dumps({**gen, **generation_defaults}, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_hf_dir(path)
 
 
 def is_orbax_model(path: str | Path) -> bool:

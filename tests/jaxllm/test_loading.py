@@ -268,6 +268,41 @@ def test_orbax_model_round_trip(hf_dirs: dict[str, Path], tmp_path: Path, dtype:
     chex.assert_trees_all_equal_dtypes(canonical_params(params2), params)
 
 
+def test_orbax_model_keeps_tokenizer_template_and_defaults(smollm2_gguf_path: Path, tmp_path: Path) -> None:
+    """A model saved with `Model.save` loads back with its tokenizer, chat template and
+    sampling defaults, not a synthetic tokenizer."""
+    from jaxllm.api import Model, load
+    from jaxllm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_gguf_path)
+    model = Model(cfg=TINY_DENSE, params=dummy_params(TINY_DENSE, seed=1), tokenizer=tok,
+                  generation_defaults={"temperature": 0.6, "top_p": 0.9})
+    model.save(str(tmp_path / "m"))
+    back = load(str(tmp_path / "m"))
+    assert back.tokenizer.chat_template == tok.chat_template and back.tokenizer.eos_ids == tok.eos_ids
+    assert back.tokenizer.encode("<|im_start|>user hi") == tok.encode("<|im_start|>user hi")
+    assert back.generation_defaults == {"temperature": 0.6, "top_p": 0.9}
+    chex.assert_trees_all_equal(canonical_params(back.params), model.params)
+
+
+def test_generation_defaults_of_each_format(tmp_path: Path) -> None:
+    from jaxllm.loading.generation import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_k": 20, "top_p": None, "do_sample": True, "eos_token_id": [1, 2]}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_k": 20}
+    assert generation_defaults(tmp_path / "missing") == {}
+    path = tmp_path / "s.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_float32("general.sampling.temp", 0.5)
+    w.add_int32("general.sampling.top_k", 40)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert generation_defaults(path) == {"temperature": 0.5, "top_k": 40}
+
+
 def test_orbax_pytree_round_trip(tmp_path: Path) -> None:
     tree = {"a": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3), "b": [jnp.ones(4, jnp.int32), None]}
     save_pytree(tmp_path / "t", tree)

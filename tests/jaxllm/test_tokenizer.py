@@ -243,3 +243,32 @@ def test_synthetic_round_trips_and_streams() -> None:
         assert syn.encode(text) == ids
         assert "".join(_stream(syn, ids, skip=True)) == text
     assert syn.decode([5, 0, 6]) == "t5 t6"  # The eos id never becomes text.
+
+
+# ------------------------------------------------------------------ logprob tokens, saving
+def test_token_text_is_decoded_text_with_its_bytes(tok: Tokenizer) -> None:
+    """Logprob tokens read as text (' sea', not the byte-level 'Ġsea'); a token holding part
+    of a character spells its bytes out, OpenAI style; every token's bytes join to the text."""
+    text = " the sea é 日本語 🙂"
+    ids = tok.encode(text)
+    assert tok.token_text(tok.encode(" sea")[0]) == " sea" and tok.id_to_piece(tok.encode(" sea")[0]) == "Ġsea"
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
+    for i in ids:
+        t = tok.token_text(i)
+        assert "Ġ" not in t
+        if t.startswith("bytes:"):
+            assert bytes.fromhex(t[6:].replace("\\x", "")) == tok.token_bytes(i)
+        else:
+            assert t.encode() == tok.token_bytes(i)
+    assert any(tok.token_text(i).startswith("bytes:") for i in ids)  # the emoji is split over tokens
+    assert tok.token_text(tok.eos_id) == "<|im_end|>"
+
+
+def test_save_hf_dir_round_trips(tok: Tokenizer, tmp_path: Path) -> None:
+    tok.save_hf_dir(tmp_path)
+    back = Tokenizer.from_hf_dir(tmp_path)
+    assert (back.bos_id, back.eos_id, back.eos_ids, back.special_ids) == (tok.bos_id, tok.eos_id, tok.eos_ids,
+                                                                         tok.special_ids)
+    assert back.chat_template == tok.chat_template and back.vocab_size == tok.vocab_size
+    for case in CASES:
+        assert back.encode(case["text"]) == case["ids"]

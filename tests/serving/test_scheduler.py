@@ -141,7 +141,7 @@ class FakeTok:
     def detokenizer(self, skip_special_tokens=True):
         return FakeDetok()
 
-    def id_to_piece(self, t):
+    def token_text(self, t):
         return f"<{t}>"
 
 
@@ -429,7 +429,7 @@ def test_host_code_error_fails_only_its_request(loop):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
 
     good = FakeTok()
-    sched.tok = SimpleNamespace(eos_ids=good.eos_ids, decode=good.decode, id_to_piece=good.id_to_piece,
+    sched.tok = SimpleNamespace(eos_ids=good.eos_ids, decode=good.decode, token_text=good.token_text,
                                 detokenizer=lambda skip_special_tokens=True: Exploding())
     bad = job(sched, loop, "bad")
     sched.run_once()  # admitted with the exploding detokenizer
