@@ -18,6 +18,7 @@ import numpy as np
 from jaxllm.chat_template import tokenize_chat
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Sequence as EngineSequence
 from jaxllm.engine_runs import Completion, kv_bytes, round_up
 from jaxllm.loading import load_model
 from jaxllm.model.forward import lm_head
@@ -70,7 +71,7 @@ class Model:
             EngineConfig(max_slots=max(1, len(ids)), max_seq_len=round_up(longest, 64), kv_bytes=kv_bytes(self.cfg, len(ids), longest, opts=self.options))
         )
         pending = list(enumerate(ids))
-        running: dict[int, tuple[int, object]] = {}
+        running: dict[int, EngineSequence] = {}
         results: dict[int, Completion] = {}
         while pending or running:
             while pending and engine.free_slots and engine.can_admit(len(pending[0][1]) + params.max_tokens):

@@ -442,8 +442,10 @@ class Engine:
                                                      n_ctx_pages=ctx, decode_width=width, full_sampler=full)))
         return out
 
-    def warmup(self) -> int:
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Compiles every shape variant before the first request; returns how many.
+
+        `progress(done, total)` is called as each variant is ready (from this thread).
 
         Round variants are lowered here and compiled ahead of time on a thread pool (an
         unrolled 8B step takes seconds of XLA time each, and compiles release the GIL); rounds
@@ -454,22 +456,31 @@ class Engine:
         if self.seqs:
             raise RuntimeError("warmup must run on an empty engine")
         variants = self._round_variants()
+        page_counts = sorted({pages_bucket(1 << i, self.layout.max_pages_per_seq)
+                              for i in range(self.layout.max_pages_per_seq.bit_length() + 1)})
+        total, done = len(variants) + len(page_counts), 0
+        report = progress or (lambda done, total: None)
+        report(0, total)
         threads = self.config.compile_threads or os.cpu_count() or 1
         with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
             # Lowering traces Python (GIL-bound) so it runs here, feeding compiles to the pool.
-            futures = {key: pool.submit(lower().compile) for key, lower in variants}
-            self._compiled.update({key: f.result() for key, f in futures.items()})
+            futures = {pool.submit(lower().compile): key for key, lower in variants}
+            for f in concurrent.futures.as_completed(futures):
+                self._compiled[futures[f]] = f.result()
+                done += 1
+                report(done, total)
         count = len(variants)
         runs = self.config.warmup_runs
         if runs or (runs is None and jax.default_backend() != "cpu"):
             self._run_idle_rounds()
         # Checkpoints come in every power-of-two page count (`extract`): a prefix-cache entry
         # of any length, a paused request of any length, must not compile while serving.
-        for n_pages in sorted({pages_bucket(1 << i, self.layout.max_pages_per_seq)
-                               for i in range(self.layout.max_pages_per_seq.bit_length() + 1)}):
+        for n_pages in page_counts:
             ckpt = steps.extract(self.state, np.int32(0), n_pages=n_pages)
             self.state = steps.insert(self.state, np.int32(0), ckpt)
             count += 1
+            done += 1
+            report(done, total)
         row = self._sampling_row(SamplingParams(), np.uint32(0), [])
         self.state = steps.set_slot(self.state, np.int32(0), np.asarray(page_row([], self.layout)), row)
         self.state = steps.release_slot(self.state, np.int32(0))

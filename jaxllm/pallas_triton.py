@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 try:  # Triton compiler parameters and masked loads; absent only without the GPU Pallas backend.
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
-    plgpu = None
+    plgpu = None  # type: ignore[assignment]
 
 MIN_DOT = 16  # Triton's dot wants every dimension >= 16
 

@@ -250,7 +250,7 @@ def sample(
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     is_sampled = s.temperature > 0
 
-    def draw() -> jax.Array:
+    def draw() -> tuple[jax.Array, jax.Array | None]:
         scaled = processed / jnp.where(is_sampled, s.temperature, 1.0)[:, None]
         filters = is_sampled & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0))
         keep = jax.lax.cond(

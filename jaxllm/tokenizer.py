@@ -71,8 +71,8 @@ def _byte_level_bpe(
         )
     regexes, ignore_merges = _PRE_TOKENIZERS[pre]
     vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # Duplicates (padding entries) keep their first id.
+    for i, piece in enumerate(tokens):
+        vocab.setdefault(piece, i)  # Duplicates (padding entries) keep their first id.
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False)
     tok = tokenizers.Tokenizer(model)

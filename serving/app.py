@@ -93,6 +93,7 @@ class Server:
         self.warmup = warmup
         self.on_death = on_death
         self.metrics = Metrics()
+        self.warmup_done = self.warmup_total = 0  # shape variants compiled so far, of all
         self.sessions = SessionStore(settings.current.limits.session_ttl_seconds)
         self.model: Any = None
         self.engine: Any = None
@@ -125,7 +126,7 @@ class Server:
 
             def warm() -> None:
                 t = time.perf_counter()
-                rounds = warmup_engine(engine, vocab=cfg.vocab_size) if self.warmup else 0
+                rounds = warmup_engine(engine, vocab=cfg.vocab_size, progress=self.warmup_progress) if self.warmup else 0
                 log.info("warm-up: %d rounds in %.1fs (model loaded in %.1fs)", rounds, time.perf_counter() - t, t - started)
 
             self.scheduler = Scheduler(
@@ -139,6 +140,13 @@ class Server:
             log.critical("model load failed: %s", e, exc_info=True)
             if self.on_death is not None:
                 self.on_death(e)
+
+    def warmup_progress(self, done: int, total: int) -> None:
+        """Warm-up's count of compiled variants: /health shows it; the log gets every tenth."""
+        last = self.warmup_done
+        self.warmup_done, self.warmup_total = done, total
+        if done in (0, total) or done * 10 // total != last * 10 // total:
+            log.info("warm-up %d/%d shape variants compiled", done, total)
 
     def key_of(self, authorization: str) -> str | None:
         """The API key an Authorization header carries, if it is one of ours (constant time)."""
@@ -386,7 +394,12 @@ async def health(request: Request) -> Any:
     if srv.ready:
         return response.json({"status": "ok"})
     dead = srv.load_error or (srv.scheduler.dead if srv.scheduler else None)
-    return response.json({"status": "dead" if dead else "loading"}, status=503)
+    if dead:
+        return response.json({"status": "dead"}, status=503)
+    body: dict[str, Any] = {"status": "loading" if srv.engine is None else "warming_up"}
+    if srv.warmup_total:
+        body["warmup"] = {"compiled": srv.warmup_done, "total": srv.warmup_total}
+    return response.json(body, status=503)
 
 
 @api.post("/tokenize", stream=True)
@@ -585,7 +598,8 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
                warmup: bool = True, on_death: Callable[[BaseException], None] | None = None,
                profile_dir: str | None = None) -> Sanic:
     """Builds the Sanic app; `loader()` returns a `jaxllm.api.Model` (called off the loop)."""
-    app = Sanic(f"jaxllm_{next(_app_ids)}")
+    # Sanic's own handlers would print each of its lines a second time beside the root logger's.
+    app = Sanic(f"jaxllm_{next(_app_ids)}", configure_logging=False)
     lim = settings.current.limits
     app.config.REQUEST_MAX_SIZE = lim.request_bytes
     app.config.RESPONSE_TIMEOUT = 7 * 24 * 3600  # long generations are not cut
@@ -624,11 +638,13 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
 
     @app.exception(NotFound)
     async def not_found(request: Request, e: Exception) -> Any:
+        srv.metrics.count_http_error(404)
         return error_response(ApiError(404, f"no route {request.method} {request.path}"))
 
     @app.exception(SanicException)
     async def sanic_error(request: Request, e: SanicException) -> Any:
         status = getattr(e, "status_code", 500) or 500
+        srv.metrics.count_http_error(status)  # 405 (a known path, another method) among them
         return error_response(ApiError(status, str(e)))
 
     @app.exception(Exception)

@@ -58,13 +58,20 @@ def serve(loader, *, model_name: str, host: str, port: int, config: str | None, 
     # JAX logs its failed probe for a TPU at INFO as "Unable to initialize backend 'tpu'": on
     # every machine without one, and it reads like an error.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    if config is not None and not Path(config).is_file():
+        raise SystemExit(f"jaxllm serve: --config {config}: no such file")
+    given = config is not None
     config = config or default_settings_path()
     if config is None:
         logging.getLogger("jaxllm").warning(
             "no --config and no configs/server.toml found: running on the built-in settings (serving/settings.py)")
     else:
-        logging.getLogger("jaxllm").info("settings: %s", config)
-    store = SettingsStore(load_settings(config), config)
+        logging.getLogger("jaxllm").info("settings: %s%s", Path(config).resolve(), "" if given else " (no --config given)")
+    try:
+        settings = load_settings(config)
+    except (ValueError, OSError) as e:  # tomllib's errors are ValueErrors
+        raise SystemExit(f"jaxllm serve: settings {config}: {e}") from None
+    store = SettingsStore(settings, config)
     status = {"code": 0}
 
     def on_death(e: BaseException) -> None:

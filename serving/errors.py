@@ -24,4 +24,4 @@ class ApiError(Exception):
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 499: "cancelled", 503: "service_unavailable"}
+          405: "invalid_request_error", 413: "invalid_request_error", 499: "cancelled", 503: "service_unavailable"}

@@ -786,6 +786,7 @@ class _ResponseTooLarge(Exception):
     pass
 
 
-def warmup_engine(engine: Any, *, vocab: int) -> int:
-    """Compiles every shape bucket before the server reports healthy; returns variants run."""
-    return engine.warmup()
+def warmup_engine(engine: Any, *, vocab: int, progress: Callable[[int, int], None] | None = None) -> int:
+    """Compiles every shape bucket before the server reports healthy; returns variants run.
+    `progress(done, total)` follows the compiles."""
+    return engine.warmup(progress)

@@ -86,9 +86,9 @@ def _decode_kernel(
     pool_rows: int,
     dtype: jnp.dtype,
 ):
-    rest = list(rest)
-    pos_ref, inv_freq_ref = (rest.pop(0), rest.pop(0)) if rope else (None, None)
-    o_ref, m_ref, l_ref = rest  # o: [W, K, S, Gp, Dh] whole; m, l: [Gp] this program's
+    refs = list(rest)
+    pos_ref, inv_freq_ref = (refs.pop(0), refs.pop(0)) if rope else (None, None)
+    o_ref, m_ref, l_ref = refs  # o: [W, K, S, Gp, Dh] whole; m, l: [Gp] this program's
     w, h, s = (pl.program_id(grid_order.index(axis)) for axis in "whs")
     # Attended positions are clipped to the bucket, like the reference's gather.
     length = jnp.minimum(len_ref[w], n_ctx_pages * page_size)

@@ -6,6 +6,7 @@ Formats: "gguf" (llama.cpp file), "safetensors" (Hugging Face directory), "orbax
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from jaxllm.config import ModelConfig, load_config_json
@@ -53,7 +54,7 @@ def load_model(
     fmt: str = "auto",
     options: RuntimeOptions = RuntimeOptions(),
     config_path: str | Path | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> tuple[ModelConfig, Params]:
     """Loads (config, params) from a checkpoint path, the default model name, or a preset.
 
@@ -64,7 +65,8 @@ def load_model(
       options: how this machine runs the model; its `dtype` is the params' dtype and its
         `scan_layers` their layout (stacked for `lax.scan`, or a tuple of layers).
       config_path: for fmt="dummy", the preset JSON when `source` is not itself one.
-      progress: show tqdm bars while reading files.
+      progress: show tqdm bars while reading files (None: when stderr is a terminal, so a
+        log file gets no bar redrawn thousands of times).
 
     Returns:
       The ModelConfig and Params.
@@ -75,6 +77,8 @@ def load_model(
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown model format {fmt!r}; known: {', '.join(FORMATS)}")
+    if progress is None:
+        progress = sys.stderr.isatty()
     cfg, params = _load(source, fmt, options.dtype, config_path, progress)
     return cfg, layout_params(params, options.scan_layers)
 

@@ -425,3 +425,10 @@ def test_cli_reports_a_damaged_safetensors_file_in_one_line(hf_dirs: dict[str, P
     assert main(["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxllm: error: invalid safetensors file") and "Traceback" not in err
+
+
+def test_no_loading_bar_when_stderr_is_not_a_terminal(hf_dirs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    load_model(str(hf_dirs["qwen2"]))  # progress unset: a bar only on a terminal (capsys' stderr is none)
+    assert "loading safetensors" not in capsys.readouterr().err
+    load_model(str(hf_dirs["qwen2"]), progress=True)
+    assert "loading safetensors" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 
 import requests
@@ -294,3 +295,40 @@ def test_bad_engine_settings_fail_when_read():
 
     with pytest.raises(ValueError, match="chunk_segments"):
         parse_settings({"engine": {"chunk_segments": 0}})
+
+
+def test_newcomer_cases(server, client, http):
+    """404 and 405 are counted; echo puts the prompt first (stream or not), session is a 400 on
+    completions; logprob tokens are text with their bytes; warm-up logged its progress; no log
+    line printed twice."""
+    assert http.get("/nope").status_code == 404
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    metrics = http.get("/metrics").text
+    for status in ("404", "405"):
+        assert f'jaxllm_http_errors_total{{status="{status}"}}' in metrics
+
+    whole = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0)
+    assert whole.choices[0].text == "Once upon" + plain.choices[0].text
+    streamed = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    err = _expect(400, lambda: client.completions.create(model="tiny", prompt="x", max_tokens=2, echo=True, logprobs=1))
+    assert err.body["param"] == "echo"
+    err = _expect(400, lambda: client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                                         extra_body={"session": True}))
+    assert err.body["param"] == "session"
+
+    out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    items = out.choices[0].logprobs.content
+    assert items and all("Ġ" not in i.token for i in items)
+    for i in items + [t for i in items for t in i.top_logprobs]:
+        raw = bytes.fromhex(i.token[6:].replace("\\x", "")) if i.token.startswith("bytes:") else i.token.encode()
+        assert bytes(i.bytes) == raw, i
+
+    log = server["log"].read_text()
+    assert "warm-up 0/" in log and re.search(r"warm-up (\d+)/\1 ", log)
+    lines = [line.split(" ", 2)[-1] for line in log.splitlines() if line.strip()]
+    assert len([x for x in lines if "Starting worker" in x]) == 1, log[-2000:]

@@ -70,3 +70,18 @@ def test_shipped_settings_derive_a_valid_engine(name):
     with open(ROOT / "configs" / name, "rb") as f:
         engine = tomllib.load(f)["engine"]
     assert set(engine) == {"slots", "context", "kv_mib", "backend"}  # no hand-tuned shapes
+
+
+def test_serve_refuses_a_missing_or_bad_config(tmp_path):
+    from serving.cli import serve
+
+    def never():
+        raise AssertionError("the model must not load")
+
+    kw = dict(model_name="x", host="127.0.0.1", port=0, api_key=None)
+    with pytest.raises(SystemExit, match="no such file"):
+        serve(never, config=str(tmp_path / "missing.toml"), **kw)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine]\nslots = 0\n")
+    with pytest.raises(SystemExit, match="slots"):
+        serve(never, config=str(bad), **kw)
