@@ -335,8 +335,14 @@ class Tokenizer:
         """The bytes of text `token_id` stands for (a byte-level piece such as 'Ġsea' is
         b' sea'; a piece of a multi-byte character is part of its UTF-8 encoding)."""
         piece = self.id_to_piece(token_id)
-        if self._byte_level and token_id not in self._added and all(c in _BYTE_DECODER for c in piece):
+        if token_id in self._added:
+            return piece.encode("utf-8")
+        if self._byte_level and all(c in _BYTE_DECODER for c in piece):
             return bytes(_BYTE_DECODER[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece's byte fallback
+            return bytes([int(piece[3:5], 16)])
+        if "▁" in piece:  # SentencePiece's word marker: decoding the token alone would drop its space
+            return piece.replace("▁", " ").encode("utf-8")
         return self._hf.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def token_text(self, token_id: int) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import regex
+import tokenizers
 
 from jaxllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -272,3 +273,15 @@ def test_save_hf_dir_round_trips(tok: Tokenizer, tmp_path: Path) -> None:
     assert back.chat_template == tok.chat_template and back.vocab_size == tok.vocab_size
     for case in CASES:
         assert back.encode(case["text"]) == case["ids"]
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary() -> None:
+    """Word markers are spaces and byte-fallback pieces are their byte (a lone token decoded
+    by the tokenizer would lose its leading space)."""
+    vocab = {"<unk>": 0, "▁sea": 1, "<0xE6>": 2, "<0x97>": 3, "ab": 4}
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(),
+                                               tokenizers.decoders.Fuse(), tokenizers.decoders.Strip(" ", 1, 0)])
+    sp = Tokenizer(hf, bos_id=None, eos_id=None, eos_ids=(), special_ids=(), chat_template=None)
+    assert [sp.token_bytes(i) for i in (1, 2, 3, 4)] == [b" sea", b"\xe6", b"\x97", b"ab"]
+    assert sp.token_text(1) == " sea" and sp.token_text(2) == "bytes:\\xe6"
