@@ -97,3 +97,16 @@ def test_logprob_bytes_follow_the_token():
     lp = fmt.chunks(Delta(0, " sea", (), items))[0]["choices"][0]["logprobs"]["content"][0]
     assert lp["token"] == " sea" and lp["bytes"] == list(b" sea")
     assert lp["top_logprobs"][1]["bytes"] == [0xE6, 0x97]
+
+
+def test_warmup_progress_is_logged_by_tenths(caplog):
+    from serving.app import Server
+
+    srv = Server(SettingsStore(Settings()), loader=lambda: None, model_name="m", api_keys=frozenset(), warmup=True,
+                 on_death=None)
+    with caplog.at_level("INFO", logger="jaxllm.serve"):
+        for done in range(41):
+            srv.warmup_progress(done, 40)
+    lines = [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()]
+    assert lines[0] == "warm-up 0/40 shape variants compiled" and lines[-1] == "warm-up 40/40 shape variants compiled"
+    assert len(lines) == 11 and (srv.warmup_done, srv.warmup_total) == (40, 40)
