@@ -98,7 +98,9 @@ class EngineShape:
             if getattr(self, old) is not None and getattr(self, new) != EngineShape.__dataclass_fields__[new].default \
                     and getattr(self, old) != getattr(self, new):
                 raise ValueError(f"[engine] sets both {new} and its older spelling {old}, differently")
-        self.engine_config()  # a bad shape fails when the settings are read, with the runtime's message
+        # A bad shape fails when the settings are read, with the runtime's message ("auto" is
+        # checked as the CPU's shapes: asking JAX for its backend here would start it).
+        self.engine_config(backend="cpu")
 
     @property
     def n_slots(self) -> int:
