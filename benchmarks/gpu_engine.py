@@ -73,13 +73,18 @@ def kernel_parity() -> dict[str, float]:
     return {"cudnn_vs_reference_rel_err": float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))}
 
 
-def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
+def engine_config(cfg, *, slots: int, max_seq_len: int, chunk: int, steps: int, **kw) -> EngineConfig:
+    """Pages for every slot's whole context, one chunk size, `steps` decode steps a call."""
     pages = slots * (-(-max_seq_len // 16) + 1) + 4
-    config = EngineConfig(
+    return EngineConfig(
         max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16), max_seq_len=max_seq_len,
-        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps,
+        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps, **kw,
     )
-    return Engine(cfg, params, eos_ids=[], config=config)
+
+
+def engine_for(cfg, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
+    return Engine(cfg, params, eos_ids=[], config=engine_config(cfg, slots=slots, max_seq_len=max_seq_len, chunk=chunk,
+                                                                  steps=steps))
 
 
 def prefill(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list:

@@ -87,6 +87,11 @@ class ModelConfig:
     # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
     # always XLA's; "interpret" the Pallas kernel in its interpreter (CPU tests of the wiring).
     decode_norm: str = "auto"
+    # The one-token gated delta rule of decode rounds (hybrid family): "auto" runs the Pallas
+    # kernel (jaxllm.model.gated_delta_kernel: each slot's state read once and written once,
+    # in place) where it compiles (GPU), the jnp recurrence elsewhere; "reference" forces the
+    # jnp path; "interpret" runs the Pallas kernel in its interpreter (CPU tests of the wiring).
+    decode_delta: str = "auto"
     # The sampler's cheap optional parts (random draws, grammar mask): "cond" runs each only
     # when some row needs it (`lax.cond`); "select" always runs them and selects the results.
     # On the GPU every conditional makes the host wait for the device to read its predicate,
@@ -108,6 +113,8 @@ class ModelConfig:
             raise ValueError(f"decode_attention must be auto, reference or interpret, got {self.decode_attention!r}")
         if self.decode_matmul not in ("auto", "xla"):
             raise ValueError(f"decode_matmul must be auto or xla, got {self.decode_matmul!r}")
+        if self.decode_delta not in ("auto", "reference", "interpret"):
+            raise ValueError(f"decode_delta must be auto, reference or interpret, got {self.decode_delta!r}")
         if self.decode_norm not in ("auto", "xla", "interpret"):
             raise ValueError(f"decode_norm must be auto, xla or interpret, got {self.decode_norm!r}")
         if self.sampler_branches not in ("auto", "cond", "select"):

@@ -76,7 +76,7 @@ def load_model(
     if fmt not in FORMATS:
         raise ValueError(f"unknown model format {fmt!r}; known: {', '.join(FORMATS)}")
     cfg, params = _load(source, fmt, dtype, scan_layers, config_path, progress)
-    return cfg, layout_params(params, cfg.scan_layers)
+    return cfg, layout_params(params, cfg.scan_layers, consume=True)  # the loaded tree is ours alone
 
 
 def _load(

@@ -18,7 +18,7 @@ from jaxllm.pallas_triton import kernels_available
 # The one debug hook for kernel choices: ModelConfig fields forced for A/B runs and bug hunts,
 # e.g. JAXLLM_DEBUG_KERNELS="decode_attention=reference,decode_matmul=xla".
 DEBUG_ENV = "JAXLLM_DEBUG_KERNELS"
-_DEBUG_FIELDS = ("decode_attention", "decode_matmul", "decode_norm", "sampler_branches")
+_DEBUG_FIELDS = ("decode_attention", "decode_matmul", "decode_norm", "decode_delta", "sampler_branches")
 
 
 def debug_overrides(text: str | None = None) -> dict[str, str]:
@@ -78,6 +78,14 @@ def decode_attention_kernel(cfg: ModelConfig) -> str | None:
         # The C++ kernel reads float32 pools only.
         return "cpu" if cfg.kv_dtype == "auto" and paged_decode_cpu.available(cfg.dtype) else None
     return "interpret" if cfg.decode_attention == "interpret" else None
+
+
+def decode_delta_kernel(cfg: ModelConfig) -> str | None:
+    """Which kernel advances decode rows of Gated DeltaNet layers (see ModelConfig.decode_delta):
+    "pallas", "interpret" (Pallas in its interpreter), or None for the jnp recurrence."""
+    if cfg.decode_delta == "auto":
+        return "pallas" if kernels_available(cfg.dtype) else None
+    return "interpret" if cfg.decode_delta == "interpret" else None
 
 
 def fp8_loads_compile() -> bool:
