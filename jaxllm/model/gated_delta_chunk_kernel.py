@@ -41,10 +41,13 @@ _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
 
 
-def _dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
-    """a @ b (a^T / b^T on request) in full float32."""
+Precision = lax.Precision | lax.DotAlgorithmPreset
+
+
+def _dot(a: jax.Array, b: jax.Array, precision: Precision, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+    """a @ b (a^T / b^T on request), float32 accumulation."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=_F32)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
 
 
 def _l2_normalize(x: jax.Array) -> jax.Array:
@@ -72,6 +75,7 @@ def _wy_kernel(
     *,
     chunk: int,
     qk_l2norm: bool,
+    precision: Precision,
 ):
     n, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(c * chunk, chunk)
@@ -81,7 +85,7 @@ def _wy_kernel(
     v = v_ref[n, rows, h, :].astype(_F32)  # [L, Dv]
     cum = cum_ref[n, h, rows]  # [L]
     beta = beta_ref[n, h, rows]  # [L]
-    a = beta[:, None] * _dot(k, k, trans_b=True) * _decay(cum, strict=True)  # [L, L] strictly lower
+    a = beta[:, None] * _dot(k, k, precision, trans_b=True) * _decay(cum, strict=True)  # [L, L] strictly lower
 
     # inv = (I + A)^-1 row by row: inv_i = e_i - sum_{j<i} A_ij inv_j. Rows >= i still hold
     # the identity, where A_i is 0, so the sum may run over all rows.
@@ -93,8 +97,8 @@ def _wy_kernel(
         return jnp.where(r == i, inv - jnp.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
 
     inv = lax.fori_loop(1, chunk, row, eye)  # row 0 is e_0
-    u_ref[n, h, rows, :] = _dot(inv, beta[:, None] * v)
-    w_ref[n, h, rows, :] = _dot(inv, (beta * jnp.exp(cum))[:, None] * k)
+    u_ref[n, h, rows, :] = _dot(inv, beta[:, None] * v, precision)
+    w_ref[n, h, rows, :] = _dot(inv, (beta * jnp.exp(cum))[:, None] * k, precision)
 
 
 def _state_kernel(
@@ -111,6 +115,7 @@ def _state_kernel(
     n_chunks: int,
     block_v: int,
     qk_l2norm: bool,
+    precision: Precision,
 ):
     n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
@@ -124,18 +129,18 @@ def _state_kernel(
         q = q * scale
         cum = cum_ref[n, h, rows]  # [L]
         last = cum_ref[n, h, c * chunk + chunk - 1]  # c_last, a scalar load (no register indexing)
-        delta = u_ref[n, h, rows, cols] - _dot(w_ref[n, h, rows, :], s)  # [L, BV]
-        intra = _dot(q, k, trans_b=True) * _decay(cum, strict=False)  # [L, L]
-        out = _dot(jnp.exp(cum)[:, None] * q, s) + _dot(intra, delta)
+        delta = u_ref[n, h, rows, cols] - _dot(w_ref[n, h, rows, :], s, precision)  # [L, BV]
+        intra = _dot(q, k, precision, trans_b=True) * _decay(cum, strict=False)  # [L, L]
+        out = _dot(jnp.exp(cum)[:, None] * q, s, precision) + _dot(intra, delta, precision)
         out_ref[n, rows, h, cols] = out.astype(out_ref.dtype)
-        return jnp.exp(last) * s + _dot(jnp.exp(last - cum)[:, None] * k, delta, trans_a=True)
+        return jnp.exp(last) * s + _dot(jnp.exp(last - cum)[:, None] * k, delta, precision, trans_a=True)
 
     s = lax.fori_loop(0, n_chunks, step, state_ref[n, h, :, cols].astype(_F32))
     new_state_ref[n, h, :, cols] = s.astype(new_state_ref.dtype)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("chunk", "qk_l2norm", "block_v", "interpret", "num_warps", "wy_num_warps")
+    jax.jit, static_argnames=("chunk", "qk_l2norm", "block_v", "precision", "interpret", "num_warps", "wy_num_warps")
 )
 def gated_delta_prefill(
     q: jax.Array,
@@ -148,6 +153,7 @@ def gated_delta_prefill(
     chunk: int = 64,
     qk_l2norm: bool = True,
     block_v: int | None = None,
+    precision: Precision = _HIGHEST,
     interpret: bool = False,
     num_warps: int = 4,
     wy_num_warps: int = 4,
@@ -166,6 +172,9 @@ def gated_delta_prefill(
       qk_l2norm: l2-normalise q and k first (Qwen3-Next does).
       block_v: Dv columns per program of the sequential kernel, a power of two dividing Dv
         (default min(Dv, 32): more programs for the GPU at N = 1).
+      precision: of the kernels' products: HIGHEST (Triton's "ieee", exact float32 FMAs)
+        by default; `lax.DotAlgorithmPreset.TF32_TF32_F32_X3` runs them on tensor cores
+        as three TF32 products, near float32 accuracy (GPU only, an experiment).
       interpret: run in the Pallas interpreter (CPU tests).
       num_warps, wy_num_warps: Triton launch parameters of the state and WY kernels.
 
@@ -196,7 +205,7 @@ def gated_delta_prefill(
     wy_in = [k, v, cum, bf]
     wy_out = [jax.ShapeDtypeStruct((N, H, Tp, Dv), _F32), jax.ShapeDtypeStruct((N, H, Tp, Dk), _F32)]
     u, w = pl.pallas_call(
-        functools.partial(_wy_kernel, chunk=L, qk_l2norm=qk_l2norm),
+        functools.partial(_wy_kernel, chunk=L, qk_l2norm=qk_l2norm, precision=precision),
         grid=(N, H, C),
         in_specs=[whole_block(a) for a in wy_in],
         out_specs=[whole_block(o) for o in wy_out],
@@ -209,7 +218,8 @@ def gated_delta_prefill(
     st_in = [q, k, u, w, cum, state.astype(_F32)]
     st_out = [jax.ShapeDtypeStruct((N, Tp, H, Dv), q.dtype), jax.ShapeDtypeStruct((N, H, Dk, Dv), _F32)]
     out, new_state = pl.pallas_call(
-        functools.partial(_state_kernel, chunk=L, n_chunks=C, block_v=block_v, qk_l2norm=qk_l2norm),
+        functools.partial(_state_kernel, chunk=L, n_chunks=C, block_v=block_v, qk_l2norm=qk_l2norm,
+                          precision=precision),
         grid=(N, H, Dv // block_v),
         in_specs=[whole_block(a) for a in st_in],
         out_specs=[whole_block(o) for o in st_out],

@@ -63,8 +63,10 @@ def test_padding_leaves_state_unchanged():
 def test_split_prompt_equals_one_call():
     """Two calls with the state carried (the first cut mid-chunk) give one call's results."""
     q, k, v, g, beta, state = _inputs(3, N=2, T=50, H=2, Dk=16, Dv=16)
-    run = lambda sl, s: gated_delta_prefill(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s,  # noqa: E731
-                                            chunk=CHUNK, interpret=True)
+
+    def run(sl: slice, s: jnp.ndarray):
+        return gated_delta_prefill(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s, chunk=CHUNK, interpret=True)
+
     out, final = run(slice(None), state)
     out_a, mid = run(slice(0, 23), state)
     out_b, end = run(slice(23, None), mid)
