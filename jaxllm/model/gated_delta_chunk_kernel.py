@@ -139,8 +139,92 @@ def _state_kernel(
     new_state_ref[n, h, :, cols] = s.astype(new_state_ref.dtype)
 
 
+def _chunk_states_kernel(
+    k_ref,  # [N, Tp, H, Dk]
+    u_ref,  # [N, H, Tp, Dv] f32
+    w_ref,  # [N, H, Tp, Dk] f32
+    cum_ref,  # [N, H, Tp] f32
+    state_ref,  # [N, H, Dk, Dv] f32 (read)
+    h_ref,  # [N, H, C, Dk, Dv] f32 out: the state before each chunk
+    delta_ref,  # [N, H, Tp, Dv] f32 out: delta = U - W S0 of each chunk
+    new_state_ref,  # [N, H, Dk, Dv] the same buffer as state_ref (written)
+    *,
+    chunk: int,
+    n_chunks: int,
+    block_v: int,
+    qk_l2norm: bool,
+    precision: Precision,
+):
+    """The split form's sequential pass: only the two products the next state needs."""
+    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+
+    def step(c, s):  # s [Dk, BV] f32, the state before chunk c
+        rows = pl.ds(c * chunk, chunk)
+        h_ref[n, h, c, :, cols] = s
+        delta = u_ref[n, h, rows, cols] - _dot(w_ref[n, h, rows, :], s, precision)  # [L, BV]
+        delta_ref[n, h, rows, cols] = delta
+        k = k_ref[n, rows, h, :].astype(_F32)
+        if qk_l2norm:
+            k = _l2_normalize(k)
+        cum = cum_ref[n, h, rows]
+        last = cum_ref[n, h, c * chunk + chunk - 1]
+        return jnp.exp(last) * s + _dot(jnp.exp(last - cum)[:, None] * k, delta, precision, trans_a=True)
+
+    s = lax.fori_loop(0, n_chunks, step, state_ref[n, h, :, cols].astype(_F32))
+    new_state_ref[n, h, :, cols] = s.astype(new_state_ref.dtype)
+
+
+def _output_kernel(
+    q_ref,  # [N, Tp, H, Dk]
+    k_ref,  # [N, Tp, H, Dk]
+    h_ref,  # [N, H, C, Dk, Dv] f32 state before each chunk
+    delta_ref,  # [N, H, Tp, Dv] f32
+    cum_ref,  # [N, H, Tp] f32
+    out_ref,  # [N, Tp, H, Dv] out, q's dtype
+    *,
+    chunk: int,
+    n_heads: int,
+    block_v: int,
+    qk_l2norm: bool,
+    precision: Precision,
+):
+    """The split form's outputs, every (segment, head, chunk, Dv block) at once."""
+    nh, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n, h = nh // n_heads, nh % n_heads
+    rows, cols = pl.ds(c * chunk, chunk), pl.ds(j * block_v, block_v)
+    q, k = q_ref[n, rows, h, :].astype(_F32), k_ref[n, rows, h, :].astype(_F32)  # [L, Dk]
+    if qk_l2norm:
+        q, k = _l2_normalize(q), _l2_normalize(k)
+    q = q * (q_ref.shape[-1] ** -0.5)
+    cum = cum_ref[n, h, rows]
+    intra = _dot(q, k, precision, trans_b=True) * _decay(cum, strict=False)  # [L, L]
+    out = _dot(jnp.exp(cum)[:, None] * q, h_ref[n, h, c, :, cols], precision)
+    out = out + _dot(intra, delta_ref[n, h, rows, cols], precision)
+    out_ref[n, rows, h, cols] = out.astype(out_ref.dtype)
+
+
+def _call(kernel, grid: tuple[int, ...], ins: list, outs: list, *, name: str, interpret: bool, num_warps: int,
+          aliases: dict[int, int] | None = None):
+    """pallas_call with every operand passed whole (the kernels index them by program id)."""
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole_block(a) for a in ins],
+        out_specs=[whole_block(o) for o in outs],
+        out_shape=outs,
+        input_output_aliases=aliases or {},
+        interpret=interpret,
+        compiler_params=compiler_params(interpret=interpret, num_warps=num_warps, num_stages=1),
+        name=name,
+    )(*ins)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("chunk", "qk_l2norm", "block_v", "precision", "interpret", "num_warps", "wy_num_warps")
+    jax.jit,
+    static_argnames=(
+        "chunk", "qk_l2norm", "split", "block_v", "out_block_v", "precision", "interpret", "num_warps", "wy_num_warps"
+    ),
 )
 def gated_delta_prefill(
     q: jax.Array,
@@ -152,14 +236,16 @@ def gated_delta_prefill(
     *,
     chunk: int = 64,
     qk_l2norm: bool = True,
+    split: bool = False,
     block_v: int | None = None,
+    out_block_v: int | None = None,
     precision: Precision = _HIGHEST,
     interpret: bool = False,
     num_warps: int = 4,
     wy_num_warps: int = 4,
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule over N segments of T tokens: `gated_delta_chunked`'s arguments
-    and results, computed by the two kernels above.
+    and results, computed by the kernels above.
 
     Args:
       q, k: [N, T, H, Dk] (k heads already repeated to H).
@@ -170,13 +256,21 @@ def gated_delta_prefill(
       chunk: L, tokens per chunk (a power of two >= 16 on the GPU). T is padded up to a
         multiple of it with g = 0, beta = 0, which leaves S unchanged.
       qk_l2norm: l2-normalise q and k first (Qwen3-Next does).
+      split: False: the sequential kernel also writes the outputs (two kernels, nothing
+        but U and W through memory). True: flash-linear-attention's split, the sequential
+        pass keeps only the two products the state needs and stores each chunk's initial
+        state and delta, and a third kernel, parallel over chunks, makes the outputs (a
+        shorter critical path for more memory traffic, N x H x T/L x Dk x Dv floats).
       block_v: Dv columns per program of the sequential kernel, a power of two dividing Dv
         (default min(Dv, 32): more programs for the GPU at N = 1).
+      out_block_v: Dv columns per program of the split form's output kernel (default
+        min(Dv, 64)).
       precision: of the kernels' products: HIGHEST (Triton's "ieee", exact float32 FMAs)
         by default; `lax.DotAlgorithmPreset.TF32_TF32_F32_X3` runs them on tensor cores
         as three TF32 products, near float32 accuracy (GPU only, an experiment).
       interpret: run in the Pallas interpreter (CPU tests).
-      num_warps, wy_num_warps: Triton launch parameters of the state and WY kernels.
+      num_warps: Triton launch parameter of the sequential kernel; wy_num_warps of the
+        parallel ones.
 
     Returns:
       out: [N, T, H, Dv] in q's dtype.
@@ -187,10 +281,12 @@ def gated_delta_prefill(
     Dv = v.shape[-1]
     L = chunk
     block_v = block_v or min(Dv, 32)
-    if Dv % block_v:
-        raise ValueError(f"block_v={block_v} must divide Dv={Dv}")
-    if not interpret and min(L, Dk, block_v) < MIN_DOT:
-        raise ValueError(f"chunk, Dk and block_v must be >= {MIN_DOT} for Triton's dot")
+    out_block_v = out_block_v or min(Dv, 64)
+    for name, bv in (("block_v", block_v), ("out_block_v", out_block_v)):
+        if Dv % bv:
+            raise ValueError(f"{name}={bv} must divide Dv={Dv}")
+    if not interpret and min(L, Dk, block_v, out_block_v) < MIN_DOT:
+        raise ValueError(f"chunk, Dk and the Dv blocks must be >= {MIN_DOT} for Triton's dot")
     pad = -T % L
     C = (T + pad) // L
     Tp = T + pad
@@ -200,33 +296,24 @@ def gated_delta_prefill(
     gf = jnp.pad(g.astype(_F32), [(0, 0), (0, pad), (0, 0)])
     cum = jnp.cumsum(gf.reshape(N, C, L, H), axis=2).reshape(N, Tp, H).transpose(0, 2, 1)
     bf = jnp.pad(beta.astype(_F32), [(0, 0), (0, pad), (0, 0)]).transpose(0, 2, 1)
+    state = state.astype(_F32)
+    call = functools.partial(_call, interpret=interpret)
+    common = dict(chunk=L, qk_l2norm=qk_l2norm, precision=precision)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)  # noqa: E731
+    out_shape = jax.ShapeDtypeStruct((N, Tp, H, Dv), q.dtype)
 
-    params = functools.partial(compiler_params, interpret=interpret, num_stages=1)
-    wy_in = [k, v, cum, bf]
-    wy_out = [jax.ShapeDtypeStruct((N, H, Tp, Dv), _F32), jax.ShapeDtypeStruct((N, H, Tp, Dk), _F32)]
-    u, w = pl.pallas_call(
-        functools.partial(_wy_kernel, chunk=L, qk_l2norm=qk_l2norm, precision=precision),
-        grid=(N, H, C),
-        in_specs=[whole_block(a) for a in wy_in],
-        out_specs=[whole_block(o) for o in wy_out],
-        out_shape=wy_out,
-        interpret=interpret,
-        compiler_params=params(num_warps=wy_num_warps),
-        name="gated_delta_wy",
-    )(*wy_in)
-
-    st_in = [q, k, u, w, cum, state.astype(_F32)]
-    st_out = [jax.ShapeDtypeStruct((N, Tp, H, Dv), q.dtype), jax.ShapeDtypeStruct((N, H, Dk, Dv), _F32)]
-    out, new_state = pl.pallas_call(
-        functools.partial(_state_kernel, chunk=L, n_chunks=C, block_v=block_v, qk_l2norm=qk_l2norm,
-                          precision=precision),
-        grid=(N, H, Dv // block_v),
-        in_specs=[whole_block(a) for a in st_in],
-        out_specs=[whole_block(o) for o in st_out],
-        out_shape=st_out,
-        input_output_aliases={len(st_in) - 1: 1},  # the state is updated where it lies
-        interpret=interpret,
-        compiler_params=params(num_warps=num_warps),
-        name="gated_delta_state",
-    )(*st_in)
+    u, w = call(functools.partial(_wy_kernel, **common), (N, H, C), [k, v, cum, bf], [f32(N, H, Tp, Dv), f32(N, H, Tp, Dk)],
+                name="gated_delta_wy", num_warps=wy_num_warps)
+    seq = dict(common, n_chunks=C, block_v=block_v)
+    if not split:
+        out, new_state = call(functools.partial(_state_kernel, **seq), (N, H, Dv // block_v), [q, k, u, w, cum, state],
+                              [out_shape, f32(N, H, Dk, Dv)], name="gated_delta_state", num_warps=num_warps,
+                              aliases={5: 1})  # the state is updated where it lies
+        return out[:, :T], new_state
+    h_all, delta, new_state = call(
+        functools.partial(_chunk_states_kernel, **seq), (N, H, Dv // block_v), [k, u, w, cum, state],
+        [f32(N, H, C, Dk, Dv), f32(N, H, Tp, Dv), f32(N, H, Dk, Dv)], name="gated_delta_chunk_states",
+        num_warps=num_warps, aliases={4: 2})
+    out = call(functools.partial(_output_kernel, **common, n_heads=H, block_v=out_block_v), (N * H, C, Dv // out_block_v),
+               [q, k, h_all, delta, cum], [out_shape], name="gated_delta_output", num_warps=wy_num_warps)[0]
     return out[:, :T], new_state

@@ -29,11 +29,14 @@ def _inputs(seed: int, N: int, T: int, H: int, Dk: int, Dv: int, lengths=None, d
     return cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(f(N, H, Dk, Dv))
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("Dk,Dv,block_v", [(16, 16, None), (32, 16, None), (16, 32, 16)])
-def test_matches_recurrent(Dk, Dv, block_v):
-    """T = 70 is no multiple of the chunk (internal padding); segment 1 ends early."""
+def test_matches_recurrent(Dk, Dv, block_v, split):
+    """T = 70 is no multiple of the chunk (internal padding); segment 1 ends early. Both
+    forms (output in the sequential pass, or split out), Dv in one block or several."""
     args = _inputs(0, N=2, T=70, H=2, Dk=Dk, Dv=Dv, lengths=[70, 41])
-    out, state = gated_delta_prefill(*args, chunk=CHUNK, block_v=block_v, interpret=True)
+    out, state = gated_delta_prefill(*args, chunk=CHUNK, split=split, block_v=block_v, out_block_v=block_v,
+                                     interpret=True)
     ref_out, ref_state = gated_delta_recurrent(*args)
     assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
     assert state.shape == ref_state.shape and state.dtype == jnp.float32
@@ -51,21 +54,24 @@ def test_without_l2norm():
     np.testing.assert_allclose(new_state, ref_state, **TOL)
 
 
-def test_padding_leaves_state_unchanged():
+@pytest.mark.parametrize("split", [False, True])
+def test_padding_leaves_state_unchanged(split):
     """A segment of only padding keeps its state exactly; its neighbour is unaffected."""
     args = _inputs(2, N=2, T=20, H=2, Dk=16, Dv=16, lengths=[20, 0])
-    _, state = gated_delta_prefill(*args, chunk=CHUNK, interpret=True)
+    _, state = gated_delta_prefill(*args, chunk=CHUNK, split=split, interpret=True)
     np.testing.assert_array_equal(state[1], args[-1][1])
     _, ref_state = gated_delta_recurrent(*args)
     np.testing.assert_allclose(state[0], ref_state[0], **TOL)
 
 
-def test_split_prompt_equals_one_call():
+@pytest.mark.parametrize("split", [False, True])
+def test_split_prompt_equals_one_call(split):
     """Two calls with the state carried (the first cut mid-chunk) give one call's results."""
     q, k, v, g, beta, state = _inputs(3, N=2, T=50, H=2, Dk=16, Dv=16)
 
     def run(sl: slice, s: jnp.ndarray):
-        return gated_delta_prefill(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s, chunk=CHUNK, interpret=True)
+        return gated_delta_prefill(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s, chunk=CHUNK, split=split,
+                                   interpret=True)
 
     out, final = run(slice(None), state)
     out_a, mid = run(slice(0, 23), state)
