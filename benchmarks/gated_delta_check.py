@@ -69,27 +69,28 @@ def rule_inputs(key: jax.Array, N: int, T: int, H: int, Dk: int, Dv: int, dtype)
     return q, k, v, g, beta, state
 
 
-def check_prefill(shape: dict, dtype, precision: str, forms: list[str], configs: list[tuple[int, int]], runs: int,
+def check_prefill(shape: dict, dtype, precision: str, forms: list[str], configs: list[tuple[int, ...]], runs: int,
                   interpret: bool) -> None:
     """Each T of the shape, each form of the kernel ("fused": outputs in the sequential pass,
-    "split": in a parallel kernel of their own), each (block_v, num_warps) launch config."""
+    "split": in a parallel kernel of their own), each (block_v, num_warps, num_stages) launch config."""
     oracle = jax.jit(functools.partial(gated_delta_chunked, chunk=shape["chunk"]))
     for T in shape["tokens"]:
         args = rule_inputs(jax.random.PRNGKey(T), 1, T, shape["H"], shape["Dk"], shape["Dv"], dtype)
         ref_out, ref_state = oracle(*args)
         t_jnp = median_seconds(lambda: oracle(*args), runs)
-        for form, (block_v, num_warps) in itertools.product(forms, configs):
+        for form, (block_v, num_warps, num_stages) in itertools.product(forms, configs):
             kernel = jax.jit(functools.partial(gated_delta_prefill, chunk=shape["chunk"], interpret=interpret,
                                                precision=PRECISIONS[precision], block_v=min(block_v, shape["Dv"]),
-                                               num_warps=num_warps, split=form == "split"))
+                                               num_warps=num_warps, num_stages=num_stages,
+                                               split=form == "split"))
             try:
                 out, state = kernel(*args)
             except Exception as e:  # a launch config that fails to compile is a result too
-                print(f"prefill {form} T={T} block_v={block_v} warps={num_warps}: {repr(e)[:300]}", flush=True)
+                print(f"prefill {form} T={T} block_v={block_v} warps={num_warps} stages={num_stages}: {repr(e)[:300]}", flush=True)
                 continue
             out_err, state_err = errors(out, ref_out), errors(state, ref_state)
             t_kernel = median_seconds(lambda: kernel(*args), runs)
-            print(f"prefill {form:5s} {jnp.dtype(dtype).name:8s} {precision:6s} bv={block_v:3d} w={num_warps} N=1 T={T:5d} "
+            print(f"prefill {form:5s} {jnp.dtype(dtype).name:8s} {precision:6s} bv={block_v:3d} w={num_warps} s={num_stages} N=1 T={T:5d} "
                   f"H={shape['H']} Dk={shape['Dk']} Dv={shape['Dv']}  out max {out_err[0]:.2e} rel {out_err[1]:.2e}  "
                   f"state max {state_err[0]:.2e} rel {state_err[1]:.2e}  kernel {t_kernel * 1e3:.3f} ms  "
                   f"jnp {t_jnp * 1e3:.3f} ms  x{t_jnp / t_kernel:.2f}", flush=True)
@@ -144,7 +145,8 @@ def main() -> None:
     ap.add_argument("--interpret", action="store_true", help="Pallas interpreter on the CPU, tiny shapes")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="q, k, v dtypes")
     ap.add_argument("--precisions", default="ieee", help=f"prefill kernel products: {','.join(PRECISIONS)}")
-    ap.add_argument("--configs", default="32:4", help="prefill launch configs, block_v:num_warps,... (e.g. 32:4,64:4,64:8)")
+    ap.add_argument("--configs", default="32:4:1",
+                    help="prefill launch configs, block_v:num_warps[:num_stages],... (e.g. 32:4:1,32:4:2,64:8:2)")
     ap.add_argument("--forms", default="fused,split", help="prefill kernel forms: fused,split")
     ap.add_argument("--what", default="prefill,decode")
     ap.add_argument("--tokens", default="", help="prefill T values (default 64,512,2048; tiny: 16,40)")
@@ -157,7 +159,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         if "prefill" in args.what:
             for precision in args.precisions.split(","):
-                configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+                configs = [(tuple(int(x) for x in c.split(":")) + (1,))[:3] for c in args.configs.split(",")]
                 check_prefill(shape, jnp.dtype(dtype), precision, args.forms.split(","), configs, args.runs,
                               args.interpret)
         if "decode" in args.what:

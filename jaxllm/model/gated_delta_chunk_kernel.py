@@ -205,7 +205,7 @@ def _output_kernel(
 
 
 def _call(kernel, grid: tuple[int, ...], ins: list, outs: list, *, name: str, interpret: bool, num_warps: int,
-          aliases: dict[int, int] | None = None):
+          num_stages: int = 1, aliases: dict[int, int] | None = None):
     """pallas_call with every operand passed whole (the kernels index them by program id)."""
     return pl.pallas_call(
         kernel,
@@ -215,7 +215,7 @@ def _call(kernel, grid: tuple[int, ...], ins: list, outs: list, *, name: str, in
         out_shape=outs,
         input_output_aliases=aliases or {},
         interpret=interpret,
-        compiler_params=compiler_params(interpret=interpret, num_warps=num_warps, num_stages=1),
+        compiler_params=compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages),
         name=name,
     )(*ins)
 
@@ -223,7 +223,8 @@ def _call(kernel, grid: tuple[int, ...], ins: list, outs: list, *, name: str, in
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "chunk", "qk_l2norm", "split", "block_v", "out_block_v", "precision", "interpret", "num_warps", "wy_num_warps"
+        "chunk", "qk_l2norm", "split", "block_v", "out_block_v", "precision", "interpret", "num_warps", "num_stages",
+        "wy_num_warps",
     ),
 )
 def gated_delta_prefill(
@@ -242,6 +243,7 @@ def gated_delta_prefill(
     precision: Precision = _HIGHEST,
     interpret: bool = False,
     num_warps: int = 4,
+    num_stages: int = 1,
     wy_num_warps: int = 4,
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule over N segments of T tokens: `gated_delta_chunked`'s arguments
@@ -269,8 +271,9 @@ def gated_delta_prefill(
         by default; `lax.DotAlgorithmPreset.TF32_TF32_F32_X3` runs them on tensor cores
         as three TF32 products, near float32 accuracy (GPU only, an experiment).
       interpret: run in the Pallas interpreter (CPU tests).
-      num_warps: Triton launch parameter of the sequential kernel; wy_num_warps of the
-        parallel ones.
+      num_warps, num_stages: Triton launch parameters of the sequential kernel (stages > 1
+        let Triton prefetch the next chunk's loads inside the chunk loop); wy_num_warps of
+        the parallel ones.
 
     Returns:
       out: [N, T, H, Dv] in q's dtype.
@@ -308,12 +311,12 @@ def gated_delta_prefill(
     if not split:
         out, new_state = call(functools.partial(_state_kernel, **seq), (N, H, Dv // block_v), [q, k, u, w, cum, state],
                               [out_shape, f32(N, H, Dk, Dv)], name="gated_delta_state", num_warps=num_warps,
-                              aliases={5: 1})  # the state is updated where it lies
+                              num_stages=num_stages, aliases={5: 1})  # the state is updated where it lies
         return out[:, :T], new_state
     h_all, delta, new_state = call(
         functools.partial(_chunk_states_kernel, **seq), (N, H, Dv // block_v), [k, u, w, cum, state],
         [f32(N, H, C, Dk, Dv), f32(N, H, Tp, Dv), f32(N, H, Dk, Dv)], name="gated_delta_chunk_states",
-        num_warps=num_warps, aliases={4: 2})
+        num_warps=num_warps, num_stages=num_stages, aliases={4: 2})
     out = call(functools.partial(_output_kernel, **common, n_heads=H, block_v=out_block_v), (N * H, C, Dv // out_block_v),
                [q, k, h_all, delta, cum], [out_shape], name="gated_delta_output", num_warps=wy_num_warps)[0]
     return out[:, :T], new_state
