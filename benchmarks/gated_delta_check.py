@@ -79,19 +79,18 @@ def check_prefill(shape: dict, dtype, precision: str, forms: list[str], configs:
         ref_out, ref_state = oracle(*args)
         t_jnp = median_seconds(lambda: oracle(*args), runs)
         for form, (block_v, num_warps, num_stages) in itertools.product(forms, configs):
-            kernel = jax.jit(functools.partial(gated_delta_prefill, chunk=shape["chunk"], interpret=interpret,
-                                               precision=PRECISIONS[precision], block_v=min(block_v, shape["Dv"]),
-                                               num_warps=num_warps, num_stages=num_stages,
-                                               split=form == "split"))
+            launch = dict(block_v=min(block_v, shape["Dv"]), num_warps=num_warps, num_stages=num_stages)
+            kernel = jax.jit(functools.partial(gated_delta_prefill, chunk=shape["chunk"], split=form == "split",
+                                               precision=PRECISIONS[precision], interpret=interpret, **launch))
             try:
                 out, state = kernel(*args)
             except Exception as e:  # a launch config that fails to compile is a result too
-                print(f"prefill {form} T={T} block_v={block_v} warps={num_warps} stages={num_stages}: {repr(e)[:300]}", flush=True)
+                print(f"prefill {form} T={T} {launch}: {repr(e)[:300]}", flush=True)
                 continue
             out_err, state_err = errors(out, ref_out), errors(state, ref_state)
             t_kernel = median_seconds(lambda: kernel(*args), runs)
-            print(f"prefill {form:5s} {jnp.dtype(dtype).name:8s} {precision:6s} bv={block_v:3d} w={num_warps} s={num_stages} N=1 T={T:5d} "
-                  f"H={shape['H']} Dk={shape['Dk']} Dv={shape['Dv']}  out max {out_err[0]:.2e} rel {out_err[1]:.2e}  "
+            print(f"prefill {form:5s} {jnp.dtype(dtype).name:8s} {precision:6s} bv={block_v:3d} w={num_warps} "
+                  f"s={num_stages} N=1 T={T:5d} H={shape['H']} Dk={shape['Dk']} Dv={shape['Dv']}  out max {out_err[0]:.2e} rel {out_err[1]:.2e}  "
                   f"state max {state_err[0]:.2e} rel {state_err[1]:.2e}  kernel {t_kernel * 1e3:.3f} ms  "
                   f"jnp {t_jnp * 1e3:.3f} ms  x{t_jnp / t_kernel:.2f}", flush=True)
 

@@ -1,4 +1,4 @@
-"""Prefill of the gated delta rule (the chunked WY / UT form) as two Pallas (Triton) kernels.
+"""Prefill of the gated delta rule (the chunked WY / UT form) as Pallas (Triton) kernels.
 
 `jaxllm.model.gated_delta.gated_delta_chunked` spells out the math; in its notation, with
 chunks of L tokens, cumulative log decay c_i within a chunk and the chunk's initial state S0:
@@ -9,7 +9,7 @@ chunks of L tokens, cumulative log decay c_i within a chunk and the chunk's init
     S_end = e^{c_last} S0 + sum_j e^{c_last - c_j} k_j delta_j^T
 
 The solve needs no state, so it runs for every chunk at once; only the last three lines are
-sequential. Hence two kernels, as flash-linear-attention splits it:
+sequential. Hence, by default, two kernels:
 
   1. `_wy_kernel`, one program per (segment, head, chunk): A from k k^T, the inverse of the
      unit lower-triangular I + A by forward substitution over its L rows (register-only: a
@@ -19,6 +19,11 @@ sequential. Hence two kernels, as flash-linear-attention splits it:
      in order with its [Dk, BV] slice of S in registers (columns of S are independent in the
      rule, so splitting Dv is exact), writes each chunk's output and finally the state, into
      the state's own buffer (`input_output_aliases`).
+
+`split=True` swaps kernel 2 for flash-linear-attention's own split: the sequential pass keeps
+only delta = U - W S and the state update, storing each chunk's initial state and delta, and
+a third kernel, parallel over (segment, head, chunk, Dv block), makes the outputs. Which form
+is faster on a GPU is not measured yet (benchmarks/gated_delta_check.py compares them).
 
 Every product asks for full float32 (`precision=HIGHEST`, which Pallas's Triton lowering
 passes on as `input_precision="ieee"`): TF32's 10-bit mantissa would cost about 1e-3
@@ -44,7 +49,8 @@ _F32 = jnp.float32
 Precision = lax.Precision | lax.DotAlgorithmPreset
 
 
-def _dot(a: jax.Array, b: jax.Array, precision: Precision, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+def _dot(a: jax.Array, b: jax.Array, precision: Precision, *, trans_a: bool = False,
+         trans_b: bool = False) -> jax.Array:
     """a @ b (a^T / b^T on request), float32 accumulation."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
@@ -305,18 +311,21 @@ def gated_delta_prefill(
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)  # noqa: E731
     out_shape = jax.ShapeDtypeStruct((N, Tp, H, Dv), q.dtype)
 
-    u, w = call(functools.partial(_wy_kernel, **common), (N, H, C), [k, v, cum, bf], [f32(N, H, Tp, Dv), f32(N, H, Tp, Dk)],
-                name="gated_delta_wy", num_warps=wy_num_warps)
+    wy = functools.partial(_wy_kernel, **common)
+    u, w = call(wy, (N, H, C), [k, v, cum, bf], [f32(N, H, Tp, Dv), f32(N, H, Tp, Dk)], name="gated_delta_wy",
+                num_warps=wy_num_warps)
     seq = dict(common, n_chunks=C, block_v=block_v)
+    seq_launch = dict(num_warps=num_warps, num_stages=num_stages)
     if not split:
-        out, new_state = call(functools.partial(_state_kernel, **seq), (N, H, Dv // block_v), [q, k, u, w, cum, state],
-                              [out_shape, f32(N, H, Dk, Dv)], name="gated_delta_state", num_warps=num_warps,
-                              num_stages=num_stages, aliases={5: 1})  # the state is updated where it lies
+        fused = functools.partial(_state_kernel, **seq)
+        out, new_state = call(fused, (N, H, Dv // block_v), [q, k, u, w, cum, state], [out_shape, f32(N, H, Dk, Dv)],
+                              name="gated_delta_state", aliases={5: 1}, **seq_launch)  # the state updated in place
         return out[:, :T], new_state
-    h_all, delta, new_state = call(
-        functools.partial(_chunk_states_kernel, **seq), (N, H, Dv // block_v), [k, u, w, cum, state],
-        [f32(N, H, C, Dk, Dv), f32(N, H, Tp, Dv), f32(N, H, Dk, Dv)], name="gated_delta_chunk_states",
-        num_warps=num_warps, num_stages=num_stages, aliases={4: 2})
-    out = call(functools.partial(_output_kernel, **common, n_heads=H, block_v=out_block_v), (N * H, C, Dv // out_block_v),
-               [q, k, h_all, delta, cum], [out_shape], name="gated_delta_output", num_warps=wy_num_warps)[0]
+    states = functools.partial(_chunk_states_kernel, **seq)
+    h_all, delta, new_state = call(states, (N, H, Dv // block_v), [k, u, w, cum, state],
+                                   [f32(N, H, C, Dk, Dv), f32(N, H, Tp, Dv), f32(N, H, Dk, Dv)],
+                                   name="gated_delta_chunk_states", aliases={4: 2}, **seq_launch)
+    outputs = functools.partial(_output_kernel, **common, n_heads=H, block_v=out_block_v)
+    (out,) = call(outputs, (N * H, C, Dv // out_block_v), [q, k, h_all, delta, cum], [out_shape],
+                  name="gated_delta_output", num_warps=wy_num_warps)
     return out[:, :T], new_state
