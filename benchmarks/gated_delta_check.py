@@ -1,15 +1,13 @@
-"""The Gated DeltaNet kernels on the GPU: each against its jnp oracle at real shapes, then timed.
+"""The Gated DeltaNet decode kernel on the GPU against its jnp oracle at real shapes, then timed.
 
-  * prefill (`gated_delta_prefill`, jaxllm/model/gated_delta_chunk_kernel.py) against
-    `gated_delta_chunked` (the jnp WY form, also the timing baseline) at Qwen3.5-35B-A3B's
-    linear-attention shapes (H = 32, Dk = Dv = 128), N = 1 segment of T tokens;
-  * decode (`gated_delta_decode`, one token per window) on a pool of every layer's slot
-    states [layers, slots, H, Dk, Dv], against `gated_delta_recurrent` with T = 1 over the
-    gathered states plus a scatter back (the jnp path, timed the same way, pool donated).
+`gated_delta_decode` (one token per window) on a pool of every layer's slot states
+[layers, slots, H, Dk, Dv], against `gated_delta_recurrent` with T = 1 over the gathered
+states plus a scatter back (the jnp path, timed the same way, pool donated). One line per
+width: max abs and relative L2 error of out and state, median ms of each path (20 runs after
+warm-up), the bytes of state read and written and the achieved GB/s.
 
-One line per case: max abs and relative L2 error of out and state, median ms of each path
-(20 runs after warm-up, each `jax.block_until_ready`), and for decode the bytes of state
-read and written and the kernel's achieved GB/s.
+A Pallas kernel for the chunked prefill was measured here too and retired: 8-12x slower than
+XLA's jnp WY form at T = 64..2048 (docs/lab/hybrid-h200.md).
 
     python benchmarks/gated_delta_check.py                  # GPU, real shapes
     python benchmarks/gated_delta_check.py --interpret      # CPU smoke test, tiny shapes
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -27,15 +24,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxllm.model.gated_delta import gated_delta_chunked, gated_delta_recurrent
-from jaxllm.model.gated_delta_chunk_kernel import gated_delta_prefill
+from jaxllm.model.gated_delta import gated_delta_recurrent
 from jaxllm.model.gated_delta_kernel import gated_delta_decode
 
-REAL = dict(H=32, Dk=128, Dv=128, chunk=64, tokens=(64, 512, 2048), layers=30, slots=64, widths=(1, 16, 64))
-TINY = dict(H=2, Dk=16, Dv=32, chunk=16, tokens=(16, 40), layers=2, slots=4, widths=(1, 2))
-PRECISIONS = {"ieee": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+REAL = dict(H=32, Dk=128, Dv=128, layers=30, slots=64, widths=(1, 16, 64))
+TINY = dict(H=2, Dk=16, Dv=32, layers=2, slots=4, widths=(1, 2))
 
 
 def median_seconds(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
@@ -67,32 +61,6 @@ def rule_inputs(key: jax.Array, N: int, T: int, H: int, Dk: int, Dv: int, dtype)
     beta = jax.nn.sigmoid(jax.random.normal(kb, (N, T, H), jnp.float32))
     state = jax.random.normal(ks, (N, H, Dk, Dv), jnp.float32) * 0.1
     return q, k, v, g, beta, state
-
-
-def check_prefill(shape: dict, dtype, precision: str, forms: list[str], configs: list[tuple[int, ...]], runs: int,
-                  interpret: bool) -> None:
-    """Each T of the shape, each form of the kernel ("fused": outputs in the sequential pass,
-    "split": in a parallel kernel of their own), each (block_v, num_warps, num_stages) launch config."""
-    oracle = jax.jit(functools.partial(gated_delta_chunked, chunk=shape["chunk"]))
-    for T in shape["tokens"]:
-        args = rule_inputs(jax.random.PRNGKey(T), 1, T, shape["H"], shape["Dk"], shape["Dv"], dtype)
-        ref_out, ref_state = oracle(*args)
-        t_jnp = median_seconds(lambda: oracle(*args), runs)
-        for form, (block_v, num_warps, num_stages) in itertools.product(forms, configs):
-            launch = dict(block_v=min(block_v, shape["Dv"]), num_warps=num_warps, num_stages=num_stages)
-            kernel = jax.jit(functools.partial(gated_delta_prefill, chunk=shape["chunk"], split=form == "split",
-                                               precision=PRECISIONS[precision], interpret=interpret, **launch))
-            try:
-                out, state = kernel(*args)
-            except Exception as e:  # a launch config that fails to compile is a result too
-                print(f"prefill {form} T={T} {launch}: {repr(e)[:300]}", flush=True)
-                continue
-            out_err, state_err = errors(out, ref_out), errors(state, ref_state)
-            t_kernel = median_seconds(lambda: kernel(*args), runs)
-            print(f"prefill {form:5s} {jnp.dtype(dtype).name:8s} {precision:6s} bv={block_v:3d} w={num_warps} "
-                  f"s={num_stages} N=1 T={T:5d} H={shape['H']} Dk={shape['Dk']} Dv={shape['Dv']}  out max {out_err[0]:.2e} rel {out_err[1]:.2e}  "
-                  f"state max {state_err[0]:.2e} rel {state_err[1]:.2e}  kernel {t_kernel * 1e3:.3f} ms  "
-                  f"jnp {t_jnp * 1e3:.3f} ms  x{t_jnp / t_kernel:.2f}", flush=True)
 
 
 @functools.partial(jax.jit, donate_argnums=(5,))
@@ -143,26 +111,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="Pallas interpreter on the CPU, tiny shapes")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="q, k, v dtypes")
-    ap.add_argument("--precisions", default="ieee", help=f"prefill kernel products: {','.join(PRECISIONS)}")
-    ap.add_argument("--configs", default="32:4:1",
-                    help="prefill launch configs, block_v:num_warps[:num_stages],... (e.g. 32:4:1,32:4:2,64:8:2)")
-    ap.add_argument("--forms", default="fused,split", help="prefill kernel forms: fused,split")
-    ap.add_argument("--what", default="prefill,decode")
-    ap.add_argument("--tokens", default="", help="prefill T values (default 64,512,2048; tiny: 16,40)")
     ap.add_argument("--runs", type=int, default=20)
     args = ap.parse_args()
-    shape = dict(TINY if args.interpret else REAL)
-    if args.tokens:
-        shape["tokens"] = tuple(int(t) for t in args.tokens.split(","))
+    shape = TINY if args.interpret else REAL
     print("jax", jax.__version__, jax.devices(), flush=True)
     for dtype in args.dtypes.split(","):
-        if "prefill" in args.what:
-            for precision in args.precisions.split(","):
-                configs = [(tuple(int(x) for x in c.split(":")) + (1,))[:3] for c in args.configs.split(",")]
-                check_prefill(shape, jnp.dtype(dtype), precision, args.forms.split(","), configs, args.runs,
-                              args.interpret)
-        if "decode" in args.what:
-            check_decode(shape, jnp.dtype(dtype), args.runs, args.interpret)
+        check_decode(shape, jnp.dtype(dtype), args.runs, args.interpret)
 
 
 if __name__ == "__main__":
