@@ -241,6 +241,9 @@ class Engine:
         self._ids = itertools.count()
         # Tokens routed to each expert since start, [L, E] ([L, 0] for dense models).
         self.expert_tokens = np.zeros((cfg.n_layers, cfg.n_experts if cfg.is_moe else 0), np.int64)
+        # Distinct experts each step of the last collected round touched, the mean over the
+        # layers (the seed's expert statistics: why a wider round costs more); () when dense.
+        self.last_distinct_experts: tuple[float, ...] = ()
         self._seed_counter = itertools.count(1)
         self.draft_stats = DraftStats(config.max_drafts)
         # With an MTP head every verification round also drafts the next one (on device).
@@ -714,6 +717,9 @@ class Engine:
         next_drafts, out = out.next_drafts, out.replace(next_drafts=None)
         experts = out.expert_tokens
         self.expert_tokens += experts.sum(axis=0) if handle.multi else experts
+        if experts.shape[-1]:
+            per_step = experts if handle.multi else experts[None]  # [steps, L, E]
+            self.last_distinct_experts = tuple((per_step > 0).sum(axis=-1).mean(axis=-1).tolist())
         steps_out = (
             [jax.tree.map(lambda x: x[i], out) for i in range(out.tokens.shape[0])] if handle.multi else [out]
         )
