@@ -140,7 +140,7 @@ def main() -> None:
     cfg = load_config_json(args.config, dtype=args.dtype, scan_layers=args.scan).replace(kv_dtype=args.kv_dtype)
     results["kv_dtype"] = args.kv_dtype
     t = time.perf_counter()
-    params = layout_params(dummy_params(cfg), cfg.scan_layers)
+    params = layout_params(dummy_params(cfg), cfg.scan_layers, consume=True)
     jax.block_until_ready(params)
     results["load_s"] = time.perf_counter() - t
     costs = model_costs(cfg, params)

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1000)
     args = ap.parse_args()
     cfg = load_config_json(args.config, dtype="bfloat16", scan_layers=False)
-    params = layout_params(dummy_params(cfg), False)
+    params = layout_params(dummy_params(cfg), False, consume=True)
     config = EngineConfig(max_slots=1, kv_bytes=200 * kv_bytes_per_page(cfg, 16), max_seq_len=2048,
                           chunk_buckets=(1024,), min_ctx_pages=64, decode_steps_per_call=8)
     eng = Engine(cfg, params, eos_ids=[], config=config)

@@ -64,7 +64,7 @@ def main() -> None:
 
     cfg = load_config_json(args.config, dtype=args.dtype, scan_layers=False)
     cfg = dataclasses.replace(cfg, decode_matmul=args.decode_matmul, sampler_branches=args.sampler_branches)
-    params = layout_params(dummy_params(cfg), cfg.scan_layers)
+    params = layout_params(dummy_params(cfg), cfg.scan_layers, consume=True)
     eng = engine_for(cfg, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
     prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
     for _ in range(3):  # warm: every decode shape of the traced calls is compiled
