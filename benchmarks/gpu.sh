@@ -126,3 +126,10 @@ fi
 if [[ $what == gated_delta ]]; then
   timeout ${GDN_CHECK_S:-200} python3 benchmarks/gated_delta_check.py ${GDN_ARGS:-} 2>&1 | grep -v "^W0\|^I0\|^E0"
 fi
+
+# Where a hybrid batch-1 decode step's time goes (kernel-level profile of the 35B-A3B shape).
+if [[ $what == profile_hybrid ]]; then
+  timeout ${PROFILE_S:-150} python3 benchmarks/profile_step.py --config configs/qwen3.5-35b-a3b.json --dtype bfloat16 --steps 8 \
+    --calls 2 --top 30 --out "$out/profile-35b" 2>&1 | grep -v "^W0\|^I0"
+  rm -rf "$out"/profile-*/raw
+fi
