@@ -29,7 +29,8 @@ from sanic.server.protocols.http_protocol import HttpProtocol
 from serving.metrics import Metrics
 from serving.output import Done, Error, Finish, Formatter, Output, sse
 from serving.protocol import ApiError, Prepared, parse_chat, parse_completion
-from serving.scheduler import Job, Scheduler, reservation_bytes, warmup_engine
+from serving.admission import Job, never_fits, reserve
+from serving.scheduler import Scheduler, warmup_engine
 from serving.sessions import SessionBusy, SessionStore
 from serving.settings import SettingsStore
 from serving.validation import check_sizes, check_tokenize, parse_json
@@ -287,22 +288,12 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
 
     prepared = await loop.run_in_executor(None, prepare)
     pages = engine.pages_needed(len(prepared.prompt) + prepared.max_tokens)
-    reservation = reservation_bytes(prepared, srv.scheduler.bytes_per_page, pages, cfg.vocab_size, settings,
-                                    len(request.body or b""), srv.scheduler.recurrent_bytes)
-    never = None
-    param = "n"
-    if prepared.n > engine.layout.max_slots:
-        never = f"n={prepared.n} is more than the {engine.layout.max_slots} sequence slots"
-    elif pages * prepared.n > engine.layout.n_pages - 1:
-        never = "the request needs more KV pages than the pool holds"
-        param = "max_tokens"
-    elif reservation > settings.budget_bytes:
-        never = "the request exceeds active_state_mib; reduce max_tokens or n, or raise the state budget"
-        param = "max_tokens"
-    if never:
-        srv.scheduler.totals["rejected"] += 1
+    pool = srv.scheduler.pool
+    reservation = reserve(prepared, pages, pool, settings, len(request.body or b"")).total
+    never = never_fits(prepared.n, pages, reservation, pool, settings)
+    if never is not None:
         srv.metrics.count_outcome("rejected")
-        raise ApiError(503, never, code="never_fits", param=param, headers={"x-should-retry": "false"})
+        raise ApiError(503, never.message, code="never_fits", param=never.param, headers={"x-should-retry": "false"})
     turn.accepted()
     session_id = turn.id
     output = Output(loop)

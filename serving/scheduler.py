@@ -34,12 +34,12 @@ import numpy as np
 
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
+from serving.admission import Admission, Capacity, Job, Pool
 from serving.metrics import Metrics
-from serving.output import Delta, Done, Error, Finish, Output, TokenLogprob
+from serving.output import Delta, Done, Error, Finish, TokenLogprob
 from serving.pacer import ChunkPacer
-from serving.protocol import Prepared
 from serving.sessions import SessionStore
-from serving.settings import Settings, SettingsStore
+from serving.settings import SettingsStore
 from serving.tool_calls import FallbackReason, ToolCallDecoder, finish_reason_for
 
 log = logging.getLogger("jaxllm.serve")
@@ -92,21 +92,6 @@ class CompileCounter:
 
 
 @dataclasses.dataclass
-class Job:
-    """A prepared request on its way through the worker."""
-
-    id: str
-    prepared: Prepared
-    settings: Settings
-    output: Output
-    reservation: int
-    pages: int
-    arrived: float
-    session_id: str | None = None
-    session_messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
 class Choice:
     index: int
     params: SamplingParams
@@ -155,16 +140,6 @@ class Active:
         return sum(len(c.generated) for c in self.choices)
 
 
-def reservation_bytes(prepared: Prepared, bytes_per_page: int, pages: int, vocab: int, settings: Settings,
-                      body_bytes: int, recurrent_bytes: int = 0) -> int:
-    """What the whole request can need: KV pages for prompt + max_tokens, the fixed recurrent
-    state of a hybrid model's linear-attention layers, sampler workspace, token copies and
-    message copies (the request body twice, the response budget)."""
-    context = len(prepared.prompt) + prepared.max_tokens
-    per_choice = pages * bytes_per_page + recurrent_bytes + vocab * 24 + context * 16
-    return prepared.n * per_choice + 2 * body_bytes + settings.limits.response_bytes
-
-
 def _holdback(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
     best = 0
@@ -194,9 +169,9 @@ class Scheduler:
         self.settings = settings
         self.metrics = metrics
         self.sessions = sessions
-        self.bytes_per_page = bytes_per_page
-        self.recurrent_bytes = recurrent_bytes  # per sequence, fixed (hybrid models; else 0)
-        self.vocab = vocab
+        layout = engine.layout
+        self.pool = Pool(max_slots=layout.max_slots, usable_pages=layout.n_pages - 1, bytes_per_page=bytes_per_page,
+                         recurrent_bytes=recurrent_bytes, vocab=vocab)
         self.cache_options = cache_options
         self.clock = clock
         self.on_death = on_death
@@ -209,7 +184,7 @@ class Scheduler:
         self.pending: list[Job] = []
         self.active: list[Active] = []
         self.by_seq: dict[int, tuple[Active, Choice]] = {}
-        self.reserved = 0
+        self.admission = Admission()
         self.totals = dict(queued=0, admitted=0, finished=0, failed=0, rejected=0, cancelled=0, cancelled_queued=0,
                            prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0,
                            decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0, host_errors=0)
@@ -222,6 +197,11 @@ class Scheduler:
         self._generation = settings.current.generation
         self._in_flight: InFlight | None = None
         self._last_collect = 0.0
+
+    @property
+    def reserved(self) -> int:
+        """Bytes reserved by admitted requests (the admission's count)."""
+        return self.admission.reserved
 
     # ---- thread ----------------------------------------------------------------------
     def start(self) -> None:
@@ -330,27 +310,13 @@ class Scheduler:
                 self.metrics.count_outcome("cancelled")
 
     # ---- admission ---------------------------------------------------------------------
-    def _fits(self, job: Job) -> bool:
-        lim = job.settings.limits
-        if len(self.active) >= lim.active_requests:
-            return False
-        if self.reserved + job.reservation > job.settings.budget_bytes:
-            return False
-        return len(self.engine.free_slots) >= job.prepared.n and len(self.engine.free_pages) >= job.pages * job.prepared.n
-
     def _admit(self) -> None:
-        now = self.clock()
-        waiting: list[Job] = []
-        blocked = False
-        for i, job in enumerate(self.pending):
-            if blocked or not self._fits(job):
-                waiting.append(job)
-                # The oldest request may be passed by smaller ones only for a bounded time.
-                if i == 0 and now - job.arrived > job.settings.limits.starvation_seconds:
-                    blocked = True
-                continue
+        free = Capacity(free_slots=len(self.engine.free_slots), free_pages=len(self.engine.free_pages),
+                        active=len(self.active))
+        chosen = self.admission.select(self.pending, free, self.clock())
+        self.pending = [job for job in self.pending if job not in chosen]
+        for job in chosen:
             self._start(job)
-        self.pending = waiting
 
     def _start(self, job: Job) -> None:
         p = job.prepared
@@ -376,7 +342,7 @@ class Scheduler:
             job.output.add(Error(400 if isinstance(e, ValueError) else 500, str(e)))
             job.output.flush()
             return
-        self.reserved += job.reservation
+        self.admission.admitted(job)
         self.active.append(active)
         self.totals["admitted"] += 1
         self.totals["prompt_tokens"] += len(p.prompt)
@@ -389,7 +355,7 @@ class Scheduler:
             if c.seq is not None:
                 self.engine.remove(c.seq)
                 self.by_seq.pop(c.seq.id, None)
-        self.reserved -= a.job.reservation
+        self.admission.released(a.job)
         self.active.remove(a)
         a.job.output.flush()
 
@@ -661,10 +627,10 @@ class Scheduler:
             a.decode_seconds, _rate(decode, a.decode_seconds), ctx, self.engine.max_context,
             100 * ctx / max(self.engine.max_context, 1), used, layout.n_pages - 1, 100 * used / max(layout.n_pages - 1, 1),
         )
-        if self.recurrent_bytes:
+        if self.pool.recurrent_bytes:
             live = len(self.engine.seqs)
             log.info("serve %s: recurrent state %d/%d slots (%.1f MiB, %.0f%% full)", a.job.id, live, layout.max_slots,
-                     live * self.recurrent_bytes / 2**20, 100 * live / max(layout.max_slots, 1))
+                     live * self.pool.recurrent_bytes / 2**20, 100 * live / max(layout.max_slots, 1))
 
     # ---- housekeeping and the published snapshot ---------------------------------------
     def _housekeeping(self) -> None:
@@ -731,8 +697,8 @@ class Scheduler:
             "pages_total": layout.n_pages - 1,
             "free_slots": len(self.engine.free_slots),
             # Hybrid models: linear-attention layers hold a fixed-size state per live sequence.
-            "recurrent_state_bytes_in_use": self.recurrent_bytes * len(self.engine.seqs),
-            "recurrent_state_bytes_total": self.recurrent_bytes * layout.max_slots,
+            "recurrent_state_bytes_in_use": self.pool.recurrent_bytes * len(self.engine.seqs),
+            "recurrent_state_bytes_total": self.pool.recurrent_bytes * layout.max_slots,
             "prefill_chunk_tokens": self.pacer.last,
             "prefill_rate_tokens_per_s": self.pacer.rate,
             "active": [
