@@ -34,13 +34,14 @@ import numpy as np
 
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
+from serving.choice_text import ChoiceEnd, ChoiceText, ChoiceTextError, TokenizerLike, usage
 from serving.admission import Admission, Capacity, Job, Pool
 from serving.metrics import Metrics
-from serving.output import Delta, Done, Error, Finish, TokenLogprob
+from serving.output import Done, Error
 from serving.pacer import ChunkPacer
 from serving.sessions import SessionStore
 from serving.settings import SettingsStore
-from serving.tool_calls import FallbackReason, ToolCallDecoder, finish_reason_for
+from serving.tool_calls import FallbackReason
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -66,14 +67,6 @@ class EngineLike(Protocol):
     def extract(self, seq: Any, n_positions: int | None = None) -> Any: ...
 
 
-class TokenizerLike(Protocol):
-    eos_ids: frozenset[int]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-    def detokenizer(self, skip_special_tokens: bool = True) -> Any: ...
-    def id_to_piece(self, token_id: int) -> str: ...
-
-
 class CompileCounter:
     """Counts XLA compilations (jax.monitoring), so paced timings skip rounds that compiled."""
 
@@ -95,18 +88,13 @@ class CompileCounter:
 class Choice:
     index: int
     params: SamplingParams
+    text: ChoiceText
     seq: Any = None
-    detok: Any = None
-    tools: ToolCallDecoder | None = None
-    raw: str = ""  # decoded text (stop strings not yet cut)
-    published: int = 0  # chars of `raw` passed on (to the tool decoder / client)
-    content: str = ""  # visible content published
-    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    generated: list[int] = dataclasses.field(default_factory=list)
-    stop_at: int | None = None  # stop-string match position in `raw`
-    model_reason: str | None = None
-    finished: bool = False
+    end: ChoiceEnd | None = None  # set once the choice finished
+
+    @property
+    def finished(self) -> bool:
+        return self.end is not None
 
 
 @dataclasses.dataclass
@@ -137,23 +125,7 @@ class Active:
 
     @property
     def generated_tokens(self) -> int:
-        return sum(len(c.generated) for c in self.choices)
-
-
-def _holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else None
+        return sum(len(c.text.generated) for c in self.choices)
 
 
 class Scheduler:
@@ -324,9 +296,9 @@ class Scheduler:
         active = Active(job=job, choices=[], admitted=self.clock(), cached_tokens=cached)
         try:
             for i, params in enumerate(p.params):
-                c = Choice(index=i, params=params, detok=self.tok.detokenizer(p.skip_special_tokens))
-                if p.tools is not None:
-                    c.tools = ToolCallDecoder(p.tools)
+                c = Choice(index=i, params=params, text=ChoiceText(
+                    i, self.tok, stop=p.stop, tools=p.tools, skip_special_tokens=p.skip_special_tokens,
+                    logprobs=p.logprobs, response_bytes=job.settings.limits.response_bytes))
                 # Structured output: the grammar constraint was built with the request.
                 extra = {"constraint": p.constraints[i]} if p.constraints else {}
                 c.seq = self.engine.add(p.prompt, params, checkpoint=ckpt, cached_tokens=cached if ckpt is not None else 0,
@@ -472,123 +444,57 @@ class Scheduler:
 
     # ---- tokens -> text -> frames ------------------------------------------------------
     def _on_tokens(self, a: Active, c: Choice, ev: Any) -> None:
-        p = a.job.prepared
-        tokens = list(ev.tokens)
-        c.generated.extend(tokens)
-        self.totals["generated_tokens"] += len(tokens)
-        self.metrics.generated_tokens.inc(len(tokens))
-        if ev.finish_reason is not None:
-            c.model_reason = ev.finish_reason
-        text_tokens = tokens[:-1] if ev.finish_reason == "stop" else tokens
-        items: list[TokenLogprob] = []
-        if p.logprobs:
-            for i, t in enumerate(tokens):
-                tops = [(self.tok.id_to_piece(tid), lp) for tid, lp in (ev.top_logprobs[i] if i < len(ev.top_logprobs) else [])]
-                items.append((self.tok.id_to_piece(t), ev.logprobs[i], tops))
-            c.logprobs.extend(items)
-        for t in text_tokens:
-            if c.stop_at is not None:
-                break
-            c.raw += c.detok.feed(t)
-        if ev.finish_reason is not None and c.stop_at is None:
-            c.raw += c.detok.flush()
+        self.totals["generated_tokens"] += len(ev.tokens)
+        self.metrics.generated_tokens.inc(len(ev.tokens))
         try:
-            self._advance_text(a, c, final=ev.finish_reason is not None, logprobs=tuple(items))
-        except _ResponseTooLarge as e:
-            self._fail(a, str(e), 400)
+            for frame in c.text.feed(ev.tokens, ev.logprobs, ev.top_logprobs, ev.finish_reason):
+                a.job.output.add(frame)
+            if not c.text.ended:
+                return
+            if c.seq is not None:
+                self.engine.remove(c.seq)
+            c.end = c.text.finish()
+        except ChoiceTextError as e:
+            if e.reconcile is not None:
+                self.totals["reconcile_errors"] += 1
+                self.metrics.reconcile_errors.inc()
+                log.error("serve %s: streamed text differs from the final decode (%s)", a.job.id, e.reconcile)
+            self._fail(a, str(e), e.status)
             return
-        if c.stop_at is not None or ev.finish_reason is not None:
-            self._finish_choice(a, c)
-
-    def _advance_text(self, a: Active, c: Choice, *, final: bool, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        p = a.job.prepared
-        if len(c.raw.encode()) > a.job.settings.limits.response_bytes:
-            raise _ResponseTooLarge("the response exceeds response_bytes; lower max_tokens")
-        if p.stop and c.stop_at is None:
-            longest = max(len(s) for s in p.stop)
-            c.stop_at = _find_stop(c.raw, p.stop, max(0, c.published - longest))
-        if c.stop_at is not None:
-            end = c.stop_at
-        elif final:
-            end = len(c.raw)
-        else:
-            end = len(c.raw) - _holdback(c.raw, p.stop)
-        piece = c.raw[c.published:end] if end > c.published else ""
-        c.published = max(c.published, end)
-        self._publish(a, c, piece, logprobs)
-
-    def _publish(self, a: Active, c: Choice, piece: str, logprobs: tuple[TokenLogprob, ...] = (), calls: tuple = ()) -> None:
-        deltas = list(calls)
-        if c.tools is not None and piece:
-            ev = c.tools.feed(piece)
-            piece = ev.content
-            deltas.extend(ev.tool_calls)
-        c.content += piece
-        if piece or deltas or logprobs:
-            a.job.output.add(Delta(c.index, piece, tuple(d.to_openai() for d in deltas), logprobs))
-
-    def _finish_choice(self, a: Active, c: Choice) -> None:
-        p = a.job.prepared
-        if c.seq is not None:
-            self.engine.remove(c.seq)
-        c.finished = True
-        reason = "stop" if c.stop_at is not None else (c.model_reason or "length")
-        # Reconcile the streamed text against one decode of the generated ids.
-        ids = c.generated[:-1] if c.model_reason == "stop" and c.stop_at is None else c.generated
-        expected = self.tok.decode(ids, skip_special_tokens=p.skip_special_tokens)
-        if p.stop:
-            cut = _find_stop(expected, p.stop, 0)
-            expected = expected if cut is None else expected[:cut]
-        streamed = c.raw if c.stop_at is None else c.raw[: c.stop_at]
-        if c.stop_at is not None and not expected.startswith(streamed) or c.stop_at is None and streamed != expected:
-            self.totals["reconcile_errors"] += 1
-            self.metrics.reconcile_errors.inc()
-            log.error("serve %s: streamed text differs from the final decode (%r vs %r)", a.job.id, streamed[-40:], expected[-40:])
-            self._fail(a, "streamed text differs from the final decode", 500)
+        for frame in c.end.frames:
+            a.job.output.add(frame)
+        d = c.end.diagnostics
+        if d is None:
             return
-        calls: list[dict[str, Any]] = []
-        if c.tools is not None:
-            term = c.tools.finish()
-            c.content += term.content_tail
-            if term.content_tail or term.tool_call_deltas:
-                a.job.output.add(Delta(c.index, term.content_tail, tuple(d.to_openai() for d in term.tool_call_deltas)))
-            calls = [{"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
-                     for tc in term.tool_calls]
-            d = term.diagnostics
-            if d.fallback_reason != FallbackReason.NONE:
-                self.metrics.tool_fallbacks.labels(reason=d.fallback_reason.value).inc()
-                log.info("serve %s: tool calls %dx (recovered: %s)", a.job.id, len(calls), d.fallback_reason.value)
-            if d.schema_mismatch_arguments or d.empty_arguments_omitted:
-                self.metrics.tool_schema_mismatches.inc(d.schema_mismatch_arguments)
-                self.metrics.tool_empty_arguments.inc(d.empty_arguments_omitted)
-                log.info("serve %s: tool calls %dx (%d schema mismatches, %d empty arguments omitted)", a.job.id,
-                         len(calls), d.schema_mismatch_arguments, d.empty_arguments_omitted)
-            reason = finish_reason_for(reason, bool(calls))
-        c.tool_calls = calls
-        a.job.output.add(Finish(c.index, reason, c.content, tuple(calls), tuple(c.logprobs)))
+        calls = len(c.end.tool_calls)
+        if d.fallback_reason != FallbackReason.NONE:
+            self.metrics.tool_fallbacks.labels(reason=d.fallback_reason.value).inc()
+            log.info("serve %s: tool calls %dx (recovered: %s)", a.job.id, calls, d.fallback_reason.value)
+        if d.schema_mismatch_arguments or d.empty_arguments_omitted:
+            self.metrics.tool_schema_mismatches.inc(d.schema_mismatch_arguments)
+            self.metrics.tool_empty_arguments.inc(d.empty_arguments_omitted)
+            log.info("serve %s: tool calls %dx (%d schema mismatches, %d empty arguments omitted)", a.job.id,
+                     calls, d.schema_mismatch_arguments, d.empty_arguments_omitted)
 
     def _complete(self, a: Active) -> None:
         p = a.job.prepared
         completion = a.generated_tokens
-        usage = {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
-                 "total_tokens": len(p.prompt) + completion,
-                 "prompt_tokens_details": {"cached_tokens": a.cached_tokens}}
         drafting = [c.seq.drafting for c in a.choices if c.seq is not None and getattr(c.seq, "drafting", None)]
-        if drafting:  # OpenAI's names for verified drafts (predicted outputs)
+        drafts = None
+        if drafting:
             proposed, accepted = sum(d.proposed for d in drafting), sum(d.accepted for d in drafting)
-            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                                  "rejected_prediction_tokens": proposed - accepted}
+            drafts = (proposed, accepted)
             if proposed:
                 log.info("serve %s: drafts %d, accepted %d (%.0f%%)", a.job.id, proposed, accepted, 100 * accepted / proposed)
         if a.job.session_id is not None:
-            c = a.choices[0]
-            reply: dict[str, Any] = {"role": "assistant", "content": c.content or (None if c.tool_calls else "")}
-            if c.tool_calls:
-                reply["tool_calls"] = c.tool_calls
+            end = a.choices[0].end
+            reply: dict[str, Any] = {"role": "assistant", "content": end.content or (None if end.tool_calls else "")}
+            if end.tool_calls:
+                reply["tool_calls"] = list(end.tool_calls)
             self.sessions.add_turn(a.job.session_id, a.job.session_messages, reply,
                                    {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
                                     "cached_tokens": a.cached_tokens}, rng_used=not p.seed_given)
-        a.job.output.add(Done(usage, a.job.session_id))
+        a.job.output.add(Done(usage(len(p.prompt), completion, a.cached_tokens, drafts), a.job.session_id))
         self._report(a)  # before release: KV fullness includes this request
         self._release(a)
         self.totals["finished"] += 1
@@ -746,10 +652,6 @@ def expert_activity(tokens: np.ndarray | None) -> dict | None:
             float(row.max() / max(row.mean(), 1e-9)) for row in tokens
         ] if per_layer.any() else [],
     }
-
-
-class _ResponseTooLarge(Exception):
-    pass
 
 
 def warmup_engine(engine: Any, *, vocab: int) -> int:
