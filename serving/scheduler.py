@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxllm.engine import DraftStats, RoundPlan
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
 from serving.choice_text import ChoiceEnd, ChoiceText, ChoiceTextError, TokenizerLike, usage
@@ -46,23 +47,31 @@ from serving.tool_calls import FallbackReason
 log = logging.getLogger("jaxllm.serve")
 
 
-class EngineLike(Protocol):
-    """What the scheduler needs of `jaxllm.engine.Engine`."""
+class LaunchedLike(Protocol):
+    """A launched round as the scheduler reads it: what the engine planned."""
 
-    layout: Any
+    plan: RoundPlan
+
+
+class EngineLike(Protocol):
+    """Everything the scheduler uses of `jaxllm.engine.Engine` (tests/serving/test_engine_contract.py
+    checks that Engine has each with a compatible signature, and that the scheduler uses no more)."""
+
+    layout: Any  # jaxllm.state.StateLayout: max_slots, n_pages
     free_pages: list[int]
     free_slots: list[int]
-    seqs: dict[int, Any]
+    seqs: dict[int, Any]  # slot -> sequence (id, prompt, prefilled, pages, length, drafting)
+    draft_stats: DraftStats | None
+    expert_tokens: np.ndarray | None
 
     @property
     def max_context(self) -> int: ...
-    def pages_needed(self, n_positions: int) -> int: ...
-    def can_admit(self, n_positions: int) -> bool: ...
     def add(self, prompt: list[int], params: SamplingParams, *, checkpoint: Any = None, cached_tokens: int = 0,
             constraint: Any = None, stops: Sequence[int] = ()) -> Any: ...
     def can_extract(self, seq: Any, n_positions: int) -> bool: ...
     def remove(self, seq: Any) -> None: ...
-    def launch(self, *, prefill_budget: int | None = None) -> Any: ...
+    def next_prefill(self) -> Any | None: ...
+    def launch(self, *, prefill_budget: int | None = None) -> LaunchedLike | None: ...
     def collect(self, handle: Any) -> list[Any]: ...
     def extract(self, seq: Any, n_positions: int | None = None) -> Any: ...
 
@@ -157,9 +166,6 @@ class Scheduler:
         self.active: list[Active] = []
         self.by_seq: dict[int, tuple[Active, Choice]] = {}
         self.admission = Admission()
-        self.totals = dict(queued=0, admitted=0, finished=0, failed=0, rejected=0, cancelled=0, cancelled_queued=0,
-                           prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0,
-                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0, host_errors=0)
         self.ready = False
         self.dead: BaseException | None = None
         self.stuck: str | None = None  # why nothing can be admitted any more (/health turns 503)
@@ -169,6 +175,11 @@ class Scheduler:
         self._generation = settings.current.generation
         self._in_flight: InFlight | None = None
         self._last_collect = 0.0
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Counts since start (kept once, in the Prometheus counters)."""
+        return self.metrics.totals()
 
     @property
     def reserved(self) -> int:
@@ -187,7 +198,7 @@ class Scheduler:
             self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
-        self.totals["queued"] += 1
+        self.metrics.queued_requests.inc()
         self.inbox.put(job)
 
     def _main(self) -> None:
@@ -266,7 +277,6 @@ class Scheduler:
         for job in self.pending:
             if job.output.cancelled:
                 # The client left before admission: it never touches the device (499).
-                self.totals["cancelled_queued"] += 1
                 self.metrics.count_outcome("cancelled_before_admission")
                 self.metrics.count_http_error(499)
                 log.info("serve %s: 499 client went away before admission", job.id)
@@ -278,7 +288,6 @@ class Scheduler:
         for a in list(self.active):
             if a.job.output.cancelled:
                 self._release(a)
-                self.totals["cancelled"] += 1
                 self.metrics.count_outcome("cancelled")
 
     # ---- admission ---------------------------------------------------------------------
@@ -309,16 +318,13 @@ class Scheduler:
             for c in active.choices:
                 self.engine.remove(c.seq)
                 self.by_seq.pop(c.seq.id, None)
-            self.totals["failed"] += 1
             self.metrics.count_outcome("failed")
             job.output.add(Error(400 if isinstance(e, ValueError) else 500, str(e)))
             job.output.flush()
             return
         self.admission.admitted(job)
         self.active.append(active)
-        self.totals["admitted"] += 1
-        self.totals["prompt_tokens"] += len(p.prompt)
-        self.totals["cached_tokens"] += cached
+        self.metrics.admitted_requests.inc()
         self.metrics.prompt_tokens.inc(len(p.prompt))
         self.metrics.cached_tokens.inc(cached)
 
@@ -338,9 +344,6 @@ class Scheduler:
         if self.engine.next_prefill() is not None:
             contended = len(self.active) > 1 or bool(self.pending)
             budget = self.pacer.tokens(contended)
-        # A chunk may carry several prompts and pass several boundaries; each passed boundary
-        # is checkpointed right after launch (the engine extracts exactly prompt[:b]).
-        before = [(s, s.prefilled) for s in self.engine.seqs.values() if s.prefilled < len(s.prompt)]
         members = [self.by_seq[s.id] for s in self.engine.seqs.values() if s.id in self.by_seq]
         compiles = self.compiles.count
         # Timed from before the call: on the GPU a launch returns only when the device has
@@ -350,17 +353,18 @@ class Scheduler:
             handle = self.engine.launch(prefill_budget=budget)
             if handle is None:
                 return None
-            advanced = [(s, start) for s, start in before if s.prefilled > start and s.id in self.by_seq]
-            for prefilling, start in advanced:
-                self._checkpoint_passed(prefilling, start)
+            # A chunk may carry several prompts and pass several boundaries; each passed
+            # boundary is checkpointed right after launch (the engine extracts exactly prompt[:b]).
+            advanced = [p for p in handle.plan.prompts if p.seq_id in self.by_seq]
+            for p in advanced:
+                self._checkpoint_crossed(self.by_seq[p.seq_id][1].seq, p.crossed)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
             self._round_failed(members, e)
             return None
-        prefillers = {id(a): a for a in (self.by_seq[s.id][0] for s, _ in advanced)}  # n > 1 share a request
-        completes = any(s.prefilled >= len(s.prompt) for s, _ in advanced)
+        prefillers = {id(a): a for a in (self.by_seq[p.seq_id][0] for p in advanced)}  # n > 1 share a request
         return InFlight(handle=handle, members=members, prefillers=list(prefillers.values()),
                         launched=started, compiled=self.compiles.count != compiles,
-                        completes_prompts=completes)
+                        completes_prompts=handle.plan.completes_prompts)
 
     @staticmethod
     def _cache_points(job: Job) -> list[int]:
@@ -370,16 +374,14 @@ class Scheduler:
         points = sorted(set(p.boundaries) | {len(p.prompt) - 1})
         return [b for b in points if b > 0 and b >= job.settings.limits.prefix_cache_min_tokens]
 
-    def _checkpoint_passed(self, seq: Any, start: int) -> None:
-        """Checkpoints the prefix-cache points `seq`'s prefill passed since `start` (models with
-        recurrent layers end their chunks there; others can extract any passed prefix)."""
-        job = self.by_seq[seq.id][0].job
-        for b in self._cache_points(job):
-            if start < b <= seq.prefilled and self.engine.can_extract(seq, b):
+    def _checkpoint_crossed(self, seq: Any, crossed: tuple[int, ...]) -> None:
+        """Checkpoints the prefix-cache points a round's chunk crossed (models with recurrent
+        layers end their chunks there; others can extract any passed prefix)."""
+        for b in crossed:
+            if self.engine.can_extract(seq, b):
                 self._checkpoint(seq, b)
 
     def _round_failed(self, members: list[tuple[Active, Choice]], e: Exception) -> None:
-        self.totals["failed_rounds"] += 1
         self.metrics.round_failures.inc()
         log.error("round failed: %s\n%s", e, traceback.format_exc())
         for a in {id(a): a for a, _ in members}.values():
@@ -398,20 +400,18 @@ class Scheduler:
         # whichever is later, so this is the round's own time once the pipeline is full.
         elapsed = now - max(r.launched, self._last_collect)
         self._last_collect = now
-        self.totals["rounds"] += 1
-        prefill_tokens = r.handle.prefill_tokens
+        self.metrics.rounds.inc()
+        plan = r.handle.plan
+        prefill_tokens = plan.prefill_tokens
         if prefill_tokens:
             if not r.compiled:
                 self.pacer.observe(prefill_tokens, elapsed)
-            self.totals["prefill_seconds"] += elapsed
             self.metrics.prefill_seconds.inc(elapsed)
             for a in r.prefillers:
                 a.prefill_seconds += elapsed
         else:
             if not r.compiled:
-                steps = self.engine.config.decode_steps_per_call if r.handle.multi else 1
-                self.pacer.observe_decode(elapsed / steps)
-            self.totals["decode_seconds"] += elapsed
+                self.pacer.observe_decode(elapsed / plan.steps)
             self.metrics.decode_seconds.inc(elapsed)
         decoding = {id(a): a for a, c in r.members if c.seq is not None and c.seq.prefilled >= len(c.seq.prompt)}
         for a in decoding.values():
@@ -444,7 +444,6 @@ class Scheduler:
 
     # ---- tokens -> text -> frames ------------------------------------------------------
     def _on_tokens(self, a: Active, c: Choice, ev: Any) -> None:
-        self.totals["generated_tokens"] += len(ev.tokens)
         self.metrics.generated_tokens.inc(len(ev.tokens))
         try:
             for frame in c.text.feed(ev.tokens, ev.logprobs, ev.top_logprobs, ev.finish_reason):
@@ -456,7 +455,6 @@ class Scheduler:
             c.end = c.text.finish()
         except ChoiceTextError as e:
             if e.reconcile is not None:
-                self.totals["reconcile_errors"] += 1
                 self.metrics.reconcile_errors.inc()
                 log.error("serve %s: streamed text differs from the final decode (%s)", a.job.id, e.reconcile)
             self._fail(a, str(e), e.status)
@@ -497,13 +495,12 @@ class Scheduler:
         a.job.output.add(Done(usage(len(p.prompt), completion, a.cached_tokens, drafts), a.job.session_id))
         self._report(a)  # before release: KV fullness includes this request
         self._release(a)
-        self.totals["finished"] += 1
         self.metrics.count_outcome("finished")
 
     def _host_failed(self, a: Active, e: Exception) -> None:
         """A request's host code (text, tool calls, finish, usage, sessions) raised: the
         request gets a 500 and its resources back; the worker and every other request go on."""
-        self.totals["host_errors"] += 1
+        self.metrics.host_errors.inc()
         log.error("serve %s: request failed in host code: %s\n%s", a.job.id, e, traceback.format_exc())
         if not a.failed:
             self._fail(a, f"internal error while processing the request ({type(e).__name__}: {e})"[:1000], 500)
@@ -516,7 +513,6 @@ class Scheduler:
         a.job.output.flush()
         if a in self.active:
             self._release(a)
-        self.totals["failed"] += 1
         self.metrics.count_outcome("failed")
 
     def _report(self, a: Active) -> None:
@@ -584,7 +580,7 @@ class Scheduler:
         m.prefix_cache_entries.set(cs["entries"])
         m.sessions.set(sess["active"])
         m.prefill_chunk.set(self.pacer.last)
-        stats = getattr(self.engine, "draft_stats", None)
+        stats = self.engine.draft_stats
         for j, rate in enumerate(stats.acceptance() if stats is not None else []):
             if rate is not None:
                 m.draft_acceptance.labels(position=str(j + 1)).set(rate)
@@ -595,7 +591,7 @@ class Scheduler:
             "settings_generation": self.settings.current.generation,
             "queued_requests": len(self.pending) + self.inbox.qsize(),
             "active_requests": len(self.active),
-            "requests": dict(self.totals),
+            "requests": self.metrics.totals(),
             "reserved_state_bytes": self.reserved,
             "state_budget_bytes": self.settings.current.budget_bytes,
             "reserved_pages": reserved_pages,
@@ -618,8 +614,8 @@ class Scheduler:
             "prefix_cache": cs,
             "sessions": sess,
             "compilations": self.compiles.count,
-            "speculative": _draft_state(getattr(self.engine, "draft_stats", None)),
-            "expert_activity": expert_activity(getattr(self.engine, "expert_tokens", None)),
+            "speculative": _draft_state(self.engine.draft_stats),
+            "expert_activity": expert_activity(self.engine.expert_tokens),
         }
 
 
