@@ -21,6 +21,7 @@ class Metrics:
         self.http_errors = Counter("jaxllm_http_errors", "Error responses by status", ["status"], registry=r)
         self.prompt_tokens = Counter("jaxllm_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.cached_tokens = Counter("jaxllm_cached_tokens", "Prompt tokens restored from the prefix cache", registry=r)
+        self.prefilled_tokens = Counter("jaxllm_prefilled_tokens", "Prompt tokens run through the model", registry=r)
         self.generated_tokens = Counter("jaxllm_generated_tokens", "Tokens generated", registry=r)
         self.prefill_seconds = Counter("jaxllm_prefill_seconds", "Seconds of rounds carrying prompt chunks", registry=r)
         self.decode_seconds = Counter("jaxllm_decode_seconds", "Seconds of decode-only rounds", registry=r)
@@ -53,6 +54,7 @@ class Metrics:
         out = {"queued": _total(self.queued_requests), "admitted": _total(self.admitted_requests)}
         out |= {key: _total(self.requests, outcome=outcome) for key, outcome in _OUTCOMES.items()}
         counters = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                    "prefilled_tokens": self.prefilled_tokens,
                     "generated_tokens": self.generated_tokens, "prefill_seconds": self.prefill_seconds,
                     "decode_seconds": self.decode_seconds, "reconcile_errors": self.reconcile_errors,
                     "rounds": self.rounds, "failed_rounds": self.round_failures, "host_errors": self.host_errors}

@@ -98,7 +98,7 @@ class Choice:
     index: int
     params: SamplingParams
     text: ChoiceText
-    seq: Any = None
+    seq: Any = None  # None while the choice waits to fork from choice 0's prefill
     end: ChoiceEnd | None = None  # set once the choice finished
 
     @property
@@ -127,10 +127,16 @@ class Active:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     failed: bool = False
+    fork_at: int | None = None  # n > 1: the other choices fork from choice 0 once it prefilled this many tokens
 
     @property
     def phase(self) -> str:
-        return "decode" if all(c.seq is None or c.seq.prefilled >= len(c.seq.prompt) for c in self.choices) else "prefill"
+        ready = all(c.seq is not None and c.seq.prefilled >= len(c.seq.prompt) for c in self.choices)
+        return "decode" if ready else "prefill"
+
+    @property
+    def waiting_forks(self) -> list[Choice]:
+        return [c for c in self.choices if c.seq is None and not c.finished]
 
     @property
     def generated_tokens(self) -> int:
@@ -292,7 +298,10 @@ class Scheduler:
 
     # ---- admission ---------------------------------------------------------------------
     def _admit(self) -> None:
-        free = Capacity(free_slots=len(self.engine.free_slots), free_pages=len(self.engine.free_pages),
+        # Choices waiting to fork hold the slots and pages admission counted for them.
+        forks = [(a, c) for a in self.active for c in a.waiting_forks]
+        free = Capacity(free_slots=len(self.engine.free_slots) - len(forks),
+                        free_pages=len(self.engine.free_pages) - sum(a.job.pages for a, _ in forks),
                         active=len(self.active))
         chosen = self.admission.select(self.pending, free, self.clock())
         self.pending = [job for job in self.pending if job not in chosen]
@@ -303,21 +312,23 @@ class Scheduler:
         p = job.prepared
         cached, ckpt = self.cache.lookup(p.prompt, self.cache_options)
         active = Active(job=job, choices=[], admitted=self.clock(), cached_tokens=cached)
+        # n > 1 prefills the prompt once: the other choices fork from choice 0's state of
+        # prompt[:-1] and each recomputes the last position to draw its own first token.
+        if p.n > 1 and cached < len(p.prompt) - 1:
+            active.fork_at = len(p.prompt) - 1
         try:
             for i, params in enumerate(p.params):
                 c = Choice(index=i, params=params, text=ChoiceText(
                     i, self.tok, stop=p.stop, tools=p.tools, skip_special_tokens=p.skip_special_tokens,
                     logprobs=p.logprobs, response_bytes=job.settings.limits.response_bytes))
-                # Structured output: the grammar constraint was built with the request.
-                extra = {"constraint": p.constraints[i]} if p.constraints else {}
-                c.seq = self.engine.add(p.prompt, params, checkpoint=ckpt, cached_tokens=cached if ckpt is not None else 0,
-                                        stops=self._cache_points(job), **extra)
                 active.choices.append(c)
-                self.by_seq[c.seq.id] = (active, c)
+                if i == 0 or active.fork_at is None:
+                    self._add_sequence(active, c, ckpt, cached)
         except Exception as e:  # noqa: BLE001 - engine validation: fail this request only
             for c in active.choices:
-                self.engine.remove(c.seq)
-                self.by_seq.pop(c.seq.id, None)
+                if c.seq is not None:
+                    self.engine.remove(c.seq)
+                    self.by_seq.pop(c.seq.id, None)
             self.metrics.count_outcome("failed")
             job.output.add(Error(400 if isinstance(e, ValueError) else 500, str(e)))
             job.output.flush()
@@ -327,6 +338,25 @@ class Scheduler:
         self.metrics.admitted_requests.inc()
         self.metrics.prompt_tokens.inc(len(p.prompt))
         self.metrics.cached_tokens.inc(cached)
+
+    def _add_sequence(self, a: Active, c: Choice, checkpoint: Any, cached: int) -> None:
+        """Puts choice `c` into the engine, its first `cached` prompt tokens restored from `checkpoint`."""
+        p = a.job.prepared
+        # Structured output: the grammar constraint was built with the request.
+        extra = {"constraint": p.constraints[c.index]} if p.constraints else {}
+        stops = self._cache_points(a.job) + ([a.fork_at] if a.fork_at is not None else [])
+        c.seq = self.engine.add(p.prompt, c.params, checkpoint=checkpoint,
+                                cached_tokens=cached if checkpoint is not None else 0, stops=stops, **extra)
+        self.by_seq[c.seq.id] = (a, c)
+
+    def _fork(self, a: Active, seq: Any) -> None:
+        """Adds the waiting choices from `seq`'s state of prompt[:fork_at] (a full prefill each
+        where the engine cannot extract it)."""
+        n = a.fork_at
+        a.fork_at = None
+        ckpt = self.engine.extract(seq, n) if self.engine.can_extract(seq, n) else None
+        for c in a.waiting_forks:
+            self._add_sequence(a, c, ckpt, n)
 
     def _release(self, a: Active) -> None:
         for c in a.choices:
@@ -357,7 +387,11 @@ class Scheduler:
             # boundary is checkpointed right after launch (the engine extracts exactly prompt[:b]).
             advanced = [p for p in handle.plan.prompts if p.seq_id in self.by_seq]
             for p in advanced:
-                self._checkpoint_crossed(self.by_seq[p.seq_id][1].seq, p.crossed)
+                owner, choice = self.by_seq[p.seq_id]
+                points = set(self._cache_points(owner.job))  # the fork point may be none
+                self._checkpoint_crossed(choice.seq, tuple(b for b in p.crossed if b in points))
+                if owner.fork_at is not None and owner.fork_at in p.crossed:
+                    self._fork(owner, choice.seq)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
             self._round_failed(members, e)
             return None
@@ -403,6 +437,7 @@ class Scheduler:
         self.metrics.rounds.inc()
         plan = r.handle.plan
         prefill_tokens = plan.prefill_tokens
+        self.metrics.prefilled_tokens.inc(prefill_tokens)
         if prefill_tokens:
             if not r.compiled:
                 self.pacer.observe(prefill_tokens, elapsed)

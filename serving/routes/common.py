@@ -67,3 +67,13 @@ def caller_key(request: Request) -> str | None:
     """The API key the request authenticated with (None when the server has none): sessions
     belong to it."""
     return getattr(request.ctx, "api_key", None)
+
+
+async def model_request(request: Request) -> tuple[Server, dict[str, Any]]:
+    """The server and the body of a request to the model: 503 before the model is ready, then
+    the body as a JSON object naming our model (or none)."""
+    srv = server_of(request)
+    check_ready(srv)
+    body = await json_object(request)
+    check_model(srv, body)
+    return srv, body

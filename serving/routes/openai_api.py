@@ -13,7 +13,7 @@ from serving.admission import Job, never_fits, reserve
 from serving.errors import ApiError
 from serving.output import Done, Error, Finish, Formatter, Output, sse
 from serving.protocol import Prepared, parse_chat, parse_completion
-from serving.routes.common import caller_key, check_model, check_ready, json_object, server_of
+from serving.routes.common import caller_key, model_request, server_of
 from serving.server_state import Server
 from serving.sessions import SessionTurn
 from serving.validation import check_sizes, check_tokenize
@@ -32,10 +32,7 @@ async def completions(request: Request) -> Any:
 
 
 async def _generate(request: Request, kind: str) -> Any:
-    srv = server_of(request)
-    check_ready(srv)
-    body = await json_object(request)
-    check_model(srv, body)
+    srv, body = await model_request(request)
     key = caller_key(request)
     turn = SessionTurn.open(srv.sessions, key, body.get("session") if kind == "chat" else None)
     srv.in_flight += 1
@@ -137,10 +134,7 @@ async def models(request: Request) -> Any:
 
 @bp.post("/tokenize", stream=True)
 async def tokenize(request: Request) -> Any:
-    srv = server_of(request)
-    check_ready(srv)
-    body = await json_object(request)
-    check_model(srv, body)
+    srv, body = await model_request(request)
     # Rendering and tokenizing are request work: off the event loop, which serves everyone.
     return response.json(await asyncio.get_running_loop().run_in_executor(None, _tokenize, srv, body))
 
@@ -171,10 +165,7 @@ def _tokenize(srv: Server, body: dict[str, Any]) -> dict[str, Any]:
 
 @bp.post("/detokenize", stream=True)
 async def detokenize(request: Request) -> Any:
-    srv = server_of(request)
-    check_ready(srv)
-    body = await json_object(request)
-    check_model(srv, body)
+    srv, body = await model_request(request)
     ids = body.get("tokens")
     vocab = srv.model.cfg.vocab_size
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):

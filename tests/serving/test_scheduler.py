@@ -470,3 +470,22 @@ def test_slots_held_by_no_request_turn_health_stuck(loop):
     engine.free_slots = list(range(4))
     sched.run_once()
     assert sched.stuck is None
+
+
+def test_n_choices_share_one_prefill(loop):
+    """n = 3: the prompt is prefilled once; choices 1 and 2 fork from choice 0's state of
+    prompt[:-1], each recomputing the last position only, and meanwhile their slots stay held."""
+    sched, engine, _ = make(Limits(prefill_quantum=4))
+    j = job(sched, loop, "n3", prompt_len=12, max_tokens=3)
+    j.prepared.params.extend([SamplingParams(max_tokens=3)] * 2)
+    sched.run_once()
+    assert len(engine.seqs) == 1 and sched.active[0].phase == "prefill"
+    two = job(sched, loop, "two", prompt_len=4, max_tokens=3)
+    two.prepared.params.append(SamplingParams(max_tokens=3))
+    sched.run_once()
+    assert [p.id for p in sched.pending] == ["two"]  # 3 slots free in the engine, 2 of them held
+    run_until_idle(sched)
+    assert sched.totals["prefilled_tokens"] == (12 + 2) + (4 + 1)
+    finishes = [f for f in frames(loop, j) if isinstance(f, Finish)]
+    assert sorted((f.index, f.text, f.reason) for f in finishes) == [(i, "<112><113><114>", "length") for i in range(3)]
+    assert sched.reserved == 0 and not engine.seqs and len(engine.free_slots) == 4
