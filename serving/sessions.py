@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from serving.errors import ApiError
+
 
 def _key_hash(api_key: str | None) -> str:
     return hashlib.sha256((api_key or "").encode()).hexdigest()
@@ -145,3 +147,45 @@ class SessionStore:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"active": len(self._sessions), "created": self.created, "expired": self.expired}
+
+
+class SessionTurn:
+    """One request's hold on a session: an existing session is claimed (one turn at a time,
+    409 otherwise) and released when the response ends; a new one is created only once the
+    request is accepted, and deleted again if it fails before its first turn."""
+
+    def __init__(self, store: SessionStore, key: str | None, session_id: str | None, history: list | None,
+                 seed: int | None, new: bool):
+        self.store, self.key, self.id, self.history, self.seed, self.new = store, key, session_id, history, seed, new
+        self.completed = False
+
+    @classmethod
+    def open(cls, store: SessionStore, key: str | None, sess: Any) -> SessionTurn:
+        if sess in (None, False):
+            return cls(store, key, None, None, None, False)
+        if sess is True or sess == "new":
+            return cls(store, key, None, [], secrets.randbits(32), True)
+        if not isinstance(sess, str):
+            raise ApiError(400, "'session' must be true, \"new\" or a session id", param="session")
+        try:
+            snap = store.claim(sess, key)
+        except SessionBusy:
+            raise ApiError(409, f"session '{sess}' has a turn in progress; send the next turn after it ends",
+                           type="invalid_request_error", param="session", code="session_busy") from None
+        if snap is None:
+            raise ApiError(404, f"session '{sess}' does not exist (or expired)", param="session", code="session_not_found")
+        history, seed = snap
+        return cls(store, key, sess, history, seed, False)
+
+    def accepted(self) -> None:
+        """The request passed validation and admission checks: a new session exists from now."""
+        if self.new:
+            self.id = self.store.create(self.key, rng=self.seed, claimed=True).id
+
+    def close(self) -> None:
+        if self.id is None:
+            return
+        if self.new and not self.completed:
+            self.store.delete(self.id, self.key)
+        else:
+            self.store.release(self.id)

@@ -128,3 +128,16 @@ def test_drafts_leave_the_text_unchanged(client, server):
     assert models["speculative"] == {"draft_source": "prompt_lookup", "max_drafts": 3}
     with pytest.raises(openai.BadRequestError, match="drafts"):
         client.completions.create(model="m", prompt="x", max_tokens=2, extra_body={"drafts": 9})
+
+
+def test_n_forks_the_recurrent_state_after_one_prefill(client, server):
+    """n = 2 on a hybrid model: the prompt runs once and choice 1 starts from the recurrent
+    state of prompt[:-1]; each choice i equals a single request seeded 5 + i."""
+    kw = dict(model="m", prompt="Name a colour, a fruit and a river:", max_tokens=8, temperature=1.0,
+              extra_body={"ignore_eos": True, "drafts": 0})
+    before = _wait_idle(server)["requests"]["prefilled_tokens"]
+    both = client.completions.create(n=2, seed=5, **kw)
+    assert _wait_idle(server)["requests"]["prefilled_tokens"] - before == both.usage.prompt_tokens + 1
+    texts = [c.text for c in sorted(both.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1]
+    assert texts == [client.completions.create(n=1, seed=5 + i, **kw).choices[0].text for i in range(2)]
