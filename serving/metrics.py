@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 
 class Metrics:
@@ -36,6 +36,10 @@ class Metrics:
         self.tool_empty_arguments = Counter("jaxllm_tool_call_empty_arguments", "Calls with empty arguments omitted", registry=r)
         self.draft_acceptance = Gauge("jaxllm_draft_acceptance_rate", "Share of drafts accepted, by draft position",
                                       ["position"], registry=r)
+        # MoE models: each step's distinct routed experts (mean over layers), so a user sees why
+        # a wider round costs more (the seed's expert statistics).
+        self.distinct_experts = Histogram("jaxllm_moe_distinct_experts", "Distinct experts a step touched, mean over layers",
+                                          buckets=(1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512), registry=r)
         self.queued = Gauge("jaxllm_queued_requests", "Requests waiting for admission", registry=r)
         self.active = Gauge("jaxllm_active_requests", "Requests admitted", registry=r)
         self.reserved_bytes = Gauge("jaxllm_reserved_state_bytes", "Bytes reserved by admitted requests", registry=r)

@@ -63,6 +63,7 @@ class EngineLike(Protocol):
     seqs: dict[int, Any]  # slot -> sequence (id, prompt, prefilled, pages, length, drafting)
     draft_stats: DraftStats | None
     expert_tokens: np.ndarray | None
+    last_distinct_experts: tuple[float, ...]
 
     @property
     def max_context(self) -> int: ...
@@ -435,6 +436,9 @@ class Scheduler:
         elapsed = now - max(r.launched, self._last_collect)
         self._last_collect = now
         self.metrics.rounds.inc()
+        for distinct in self.engine.last_distinct_experts:
+            if distinct:  # steps past every sequence's end route nothing
+                self.metrics.distinct_experts.observe(distinct)
         plan = r.handle.plan
         prefill_tokens = plan.prefill_tokens
         self.metrics.prefilled_tokens.inc(prefill_tokens)

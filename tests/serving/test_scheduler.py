@@ -58,6 +58,7 @@ class FakeEngine:
     max_context = 1000
     draft_stats = None
     expert_tokens = None
+    last_distinct_experts = ()
 
     def pages_needed(self, n: int) -> int:
         return -(-n // self.layout.page_size)
