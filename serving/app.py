@@ -93,7 +93,8 @@ class Server:
         self.warmup = warmup
         self.on_death = on_death
         self.metrics = Metrics()
-        self.sessions = SessionStore(settings.current.limits.session_ttl_seconds)
+        lim = settings.current.limits
+        self.sessions = SessionStore.open(lim.session_ttl_seconds, lim.session_dir)  # read back a saved store
         self.model: Any = None
         self.engine: Any = None
         self.scheduler: Scheduler | None = None
@@ -651,5 +652,6 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
         await _drain(srv, srv.settings.current.limits.drain_seconds)
         if srv.scheduler is not None:
             await asyncio.get_running_loop().run_in_executor(None, srv.scheduler.stop)
+        log.info("sessions: %d saved", srv.sessions.persist())  # no-op without [limits] session_dir
 
     return app
