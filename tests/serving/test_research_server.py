@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import json
 
+import numpy as np
 import openai
 import pytest
 import requests
@@ -156,30 +157,36 @@ def _ids(server, word: str) -> int:
     return ids[0]
 
 
+def _complete(client, prompt, **kw):
+    extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra, **kw).choices[0]
+
+
 def test_xtc_removes_the_likeliest_tokens_as_numpy_says(server, client):
-    """logit_bias makes three tokens hold nearly all the mass (A .665, B .245, C .090: softmax
-    of 30, 29, 28). XTC at probability 1, threshold .2 removes every token above it but the
-    least likely: A goes, B and C stay. Same seed, same noise: where the plain draw was not A,
-    XTC draws the same token; A never comes."""
-    words = [" red", " green", " blue"]
-    a, b, c = (_ids(server, w) for w in words)
-    bias = {str(a): 30, str(b): 29, str(c): 28}
-    plain, xtc = [], []
-    for seed in range(4):
-        for out, extra in ((plain, {}), (xtc, {"xtc_probability": 1.0, "xtc_threshold": 0.2})):
-            r = client.completions.create(model="tiny", prompt="Colours:", max_tokens=6, temperature=1.0, seed=seed,
-                                          logit_bias=bias, extra_body={"ignore_eos": True, **extra})
-            out.append(r.choices[0].text.split(" ")[1:])
-    plain_tokens = [w for row in plain for w in row]
-    xtc_tokens = [w for row in xtc for w in row]
-    assert set(plain_tokens) <= {"red", "green", "blue"} and "red" in plain_tokens
-    assert "red" not in xtc_tokens
-    assert all(x == p for p, x in zip(plain_tokens, xtc_tokens) if p != "red")
-    # Under the threshold of two tokens (.7 > .665 and .245), XTC leaves the draw alone.
-    r = client.completions.create(model="tiny", prompt="Colours:", max_tokens=6, temperature=1.0, seed=0,
-                                  logit_bias=bias, extra_body={"ignore_eos": True, "xtc_probability": 1.0,
-                                                               "xtc_threshold": 0.7})
-    assert r.choices[0].text.split(" ")[1:] == plain[0]
+    """logit_bias +100 on three words at temperature 5 gives them nearly all the mass, in the
+    order of the model's own logits, which greedy requests read (a reported logprob is the
+    model's, before bias and temperature). XTC at probability 1 drops every token at or over
+    its threshold but the least likely: numpy picks that token from the three logprobs."""
+    words = [_ids(server, w) for w in (" red", " green", " blue")]
+    bias = {str(t): 100 for t in words}
+    for prompt in ("Colours:", "My favourite colour is", "Paint it"):
+        forced = [_complete(client, prompt, temperature=0.0, logprobs=1, logit_bias={str(t): 100}).logprobs for t in words]
+        pieces = [f.tokens[0] for f in forced]  # the words as the server names tokens
+        lps = np.array([f.token_logprobs[0] for f in forced])
+        p = np.exp(lps / 5 - np.logaddexp.reduce(lps / 5))  # the three's share at temperature 5 (the rest: ~1e-4)
+        threshold = float(p.min()) / 2  # all three above it
+        want = pieces[int(np.argmin(p))]
+        sampled = dict(temperature=5.0, logit_bias=bias, logprobs=1)
+        for seed in range(3):
+            plain = _complete(client, prompt, seed=seed, **sampled)
+            xtc = _complete(client, prompt, seed=seed, extra_body={"xtc_probability": 1.0, "xtc_threshold": threshold},
+                            **sampled)
+            assert xtc.logprobs.tokens[0] == want, (prompt, seed, p)
+            assert plain.logprobs.tokens[0] in pieces
+            # With fewer than two tokens over the threshold XTC leaves the draw alone (same noise).
+            off = _complete(client, prompt, seed=seed, extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.999},
+                            **sampled)
+            assert off.logprobs.tokens == plain.logprobs.tokens
 
 
 @pytest.mark.parametrize("field,value,says", [

@@ -256,6 +256,16 @@ def test_sessions(server, client, http):
     assert http.get(f"/v1/sessions/{sid}").status_code == 404
 
 
+
+def test_research_samplers_need_the_extra_samplers_setting(client):
+    """This server runs without [engine] extra_samplers: a request turning a research sampler
+    on is a 400 naming the field; one leaving them at their neutral values runs."""
+    e = _expect(400, lambda: client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2,
+                                                             extra_body={"xtc_probability": 1.0}))
+    assert e.body["param"] == "xtc_probability" and "extra_samplers" in e.body["message"]
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, extra_body={"typical_p": 1.0, "ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
