@@ -132,7 +132,7 @@ class SessionStore:
             return True
 
     def add_turn(self, session_id: str, new_messages: list[dict[str, Any]], reply: dict[str, Any],
-                 usage: dict[str, int], seed: int) -> None:
+                 usage: dict[str, int], seed: int | None) -> None:
         """Appends a finished turn; `seed` is the seed it sampled with (the session's rng or
         the request's own), from which the next turn's rng follows."""
         with self._lock:
@@ -143,7 +143,7 @@ class SessionStore:
             s.messages.append(reply)
             for k in s.usage:
                 s.usage[k] += usage.get(k, 0)
-            s.rng = next_rng(seed)
+            s.rng = next_rng(s.rng if seed is None else seed)
             s.turns += 1
             s.used_at = self.clock()
 

@@ -126,7 +126,7 @@ def _check_value(name: str, value: Any, kind: Any, where: str) -> None:
     else:  # tuple[int, ...]
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if not ok:
-        raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers')}")
+        raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers').replace('bool', 'true or false')}")
     if name == "tool_call_format" and value not in ("", *FORMATS):
         raise ValueError(f"{label}: must be one of \"\", {', '.join(FORMATS)}")
     if isinstance(value, (int, float)):

@@ -304,3 +304,6 @@ def test_bad_engine_settings_fail_when_read():
 
     with pytest.raises(ValueError, match="chunk_segments"):
         parse_settings({"engine": {"chunk_segments": 0}})
+    with pytest.raises(ValueError, match="extra_samplers = 1: must be true or false"):
+        parse_settings({"engine": {"extra_samplers": 1}})
+    assert parse_settings({"engine": {"extra_samplers": True}}).engine.engine_config().extra_samplers
