@@ -241,6 +241,21 @@ def _extra_samplers(body: Mapping[str, Any], settings: Settings) -> dict[str, An
     return out
 
 
+# llama.cpp server's DRY sequence breakers when a request names none.
+DRY_BREAKERS = ("\n", ":", "\"", "*")
+
+
+def _with_dry_breakers(params: list[SamplingParams], body: Mapping[str, Any], tokenizer: Tokenizer) -> list[SamplingParams]:
+    """With DRY on, each choice's sequence breakers: the tokens of the request's
+    `dry_sequence_breakers` strings (llama.cpp's defaults without any). A match is broken
+    at those tokens (llama.cpp also breaks inside longer tokens that contain a breaker)."""
+    if not params or params[0].dry_multiplier <= 0:
+        return params
+    words = body.get("dry_sequence_breakers")
+    ids = tuple(sorted({t for w in (DRY_BREAKERS if words is None else words) for t in tokenizer.encode(w)}))
+    return [dataclasses.replace(p, dry_sequence_breakers=ids) for p in params]
+
+
 # Fields whose sampler message starts with their name ("top_p must be in (0, 1]").
 _SAMPLER_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                              "frequency_penalty", "max_tokens", "min_tokens", "top_logprobs", "logit_bias",
@@ -320,7 +335,8 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     seed = common["seed"] if common["seed"] is not None else session_seed
-    params = _choices(body, settings, len(chat.ids), max_context, vocab, logprobs, top, seed)
+    params = _with_dry_breakers(_choices(body, settings, len(chat.ids), max_context, vocab, logprobs, top, seed), body,
+                                tokenizer)
     contract = None
     if use_tools:
         fmt = pick_format(model_name, settings.defaults.tool_call_format or None)
@@ -358,7 +374,8 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Se
     if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
         raise bad(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
     logprobs = lp is not None
-    params = _choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"])
+    params = _with_dry_breakers(_choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"]),
+                                body, tokenizer)
     return Prepared(kind="completion", model=model_name, prompt=ids, boundaries=[], params=params,
                     stop=common["stop"], stream=common["stream"], include_usage=common["include_usage"],
                     logprobs=logprobs, top_logprobs=lp or 0, echo=bool(_get(body, "echo", bool, False)),

@@ -143,6 +143,10 @@ def check_scalars(body: Mapping[str, Any]) -> None:
         _check_type(ids, list, "stop_token_ids", "a list of token ids")
         for t in ids:
             check_int(t, "stop_token_ids")
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is not None and not (isinstance(breakers, list) and len(breakers) <= 16
+                                     and all(isinstance(b, str) and b for b in breakers)):
+        raise bad("'dry_sequence_breakers' must be a list of up to 16 non-empty strings", "dry_sequence_breakers")
     opts = body.get("stream_options")
     if opts is not None:
         _check_type(opts, dict, "stream_options", "an object")

@@ -189,6 +189,20 @@ def test_xtc_removes_the_likeliest_tokens_as_numpy_says(server, client):
             assert off.logprobs.tokens == plain.logprobs.tokens
 
 
+def test_dry_penalises_a_repeat_unless_a_breaker_cuts_it(server, client):
+    """Greedy with logit_bias +100 on " alpha" after " alpha" x 12 repeats it. DRY (x100, base
+    2, allowed 2) takes 100 * 2^(m - 2) off a token that extends a repeat of length m (here
+    m = the whole run), far more than the bias: the first token is no longer " alpha". Named as
+    a sequence breaker, " alpha" cuts every match: no penalty, " alpha" again."""
+    alpha = _ids(server, ALPHA)
+    greedy = dict(temperature=0.0, logit_bias={str(alpha): 100}, logprobs=1)
+    dry = {"dry_multiplier": 100.0, "dry_base": 2.0, "dry_allowed_length": 2}
+    plain = _complete(client, ALPHA * 12, **greedy).logprobs.tokens[0]
+    penalised = _complete(client, ALPHA * 12, extra_body=dry, **greedy).logprobs.tokens[0]
+    broken = _complete(client, ALPHA * 12, extra_body={**dry, "dry_sequence_breakers": [ALPHA]}, **greedy).logprobs.tokens[0]
+    assert penalised != plain and broken == plain
+
+
 @pytest.mark.parametrize("field,value,says", [
     ("typical_p", 0, "typical_p must be in (0, 1]"),
     ("xtc_threshold", 1.5, "xtc_threshold must be in [0, 1]"),
@@ -196,6 +210,7 @@ def test_xtc_removes_the_likeliest_tokens_as_numpy_says(server, client):
     ("dry_base", 0.5, "dry_base must be >= 1"),
     ("mirostat_mode", 1, "'mirostat_mode' must be 0 (off) or 2"),
     ("top_n_sigma", -1, "top_n_sigma must be >= 0"),
+    ("dry_sequence_breakers", "\n", "must be a list of up to 16 non-empty strings"),
 ])
 def test_research_sampler_fields_are_validated(client, field, value, says):
     with pytest.raises(openai.BadRequestError) as e:
