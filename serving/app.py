@@ -163,5 +163,6 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
         await _drain(srv, srv.settings.current.limits.drain_seconds)
         if srv.scheduler is not None:
             await asyncio.get_running_loop().run_in_executor(None, srv.scheduler.stop)
+        log.info("sessions: %d saved", srv.sessions.persist())  # no-op without [limits] session_dir
 
     return app

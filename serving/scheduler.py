@@ -530,7 +530,7 @@ class Scheduler:
                 reply["tool_calls"] = list(end.tool_calls)
             self.sessions.add_turn(a.job.session_id, a.job.session_messages, reply,
                                    {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
-                                    "cached_tokens": a.cached_tokens}, rng_used=not p.seed_given)
+                                    "cached_tokens": a.cached_tokens}, seed=p.params[0].seed)
         a.job.output.add(Done(usage(len(p.prompt), completion, a.cached_tokens, drafts), a.job.session_id))
         self._report(a)  # before release: KV fullness includes this request
         self._release(a)

@@ -36,7 +36,8 @@ class Server:
         self.warmup = warmup
         self.on_death = on_death
         self.metrics = Metrics()
-        self.sessions = SessionStore(settings.current.limits.session_ttl_seconds)
+        lim = settings.current.limits
+        self.sessions = SessionStore.open(lim.session_ttl_seconds, lim.session_dir)  # read back a saved store
         self.model: Any = None
         self.engine: Any = None
         self.scheduler: Scheduler | None = None

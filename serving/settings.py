@@ -33,6 +33,7 @@ class Limits:
     prefix_cache_ttl_seconds: float = 600.0
     prefix_cache_min_tokens: int = 16
     session_ttl_seconds: float = 1800.0
+    session_dir: str = ""  # sessions are saved here on a graceful stop and read back at start ("": kept in memory only)
     max_messages: int = 1024  # messages of one conversation (history included)
     max_tools: int = 128  # tools of one request
     max_schema_bytes: int = 65536  # tools plus response_format, as JSON: each compiles into a grammar
@@ -72,6 +73,9 @@ class EngineShape:
     # Speculative decoding: prompt-lookup drafts verified per sequence and round (0 = off);
     # a request's `drafts` may ask for fewer.
     max_drafts: int = _ENGINE.max_drafts
+    # The research samplers (typical-p, epsilon, eta, top-nσ, DRY, XTC, mirostat) as request
+    # fields: per-slot state rows and a costlier sampler in every round.
+    extra_samplers: bool = _ENGINE.extra_samplers
 
     def __post_init__(self) -> None:
         self.engine_config()  # a bad shape fails when the settings are read, with the runtime's message
@@ -83,7 +87,7 @@ class EngineShape:
             page_size=self.page_size, chunk_buckets=tuple(self.chunk_buckets), min_ctx_pages=self.min_ctx_pages,
             decode_steps_per_call=self.decode_steps_per_call, decode_widths=tuple(self.decode_widths),
             chunk_segments=self.chunk_segments, chunk_decode_width=self.chunk_decode_width,
-            max_drafts=self.max_drafts,
+            max_drafts=self.max_drafts, extra_samplers=self.extra_samplers,
         )
 
 
@@ -115,12 +119,14 @@ def _check_value(name: str, value: Any, kind: Any, where: str) -> None:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind in ("float", float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    elif kind in ("bool", bool):
+        ok = isinstance(value, bool)
     elif kind in ("str", str):
         ok = isinstance(value, str)
     else:  # tuple[int, ...]
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if not ok:
-        raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers')}")
+        raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers').replace('bool', 'true or false')}")
     if name == "tool_call_format" and value not in ("", *FORMATS):
         raise ValueError(f"{label}: must be one of \"\", {', '.join(FORMATS)}")
     if isinstance(value, (int, float)):

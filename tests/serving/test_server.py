@@ -265,6 +265,16 @@ def test_sessions(server, client, http):
     assert http.get(f"/v1/sessions/{sid}").status_code == 404
 
 
+
+def test_research_samplers_need_the_extra_samplers_setting(client):
+    """This server runs without [engine] extra_samplers: a request turning a research sampler
+    on is a 400 naming the field; one leaving them at their neutral values runs."""
+    e = _expect(400, lambda: client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2,
+                                                             extra_body={"xtc_probability": 1.0}))
+    assert e.body["param"] == "xtc_probability" and "extra_samplers" in e.body["message"]
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, extra_body={"typical_p": 1.0, "ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
@@ -318,3 +328,6 @@ def test_bad_engine_settings_fail_when_read():
 
     with pytest.raises(ValueError, match="chunk_segments"):
         parse_settings({"engine": {"chunk_segments": 0}})
+    with pytest.raises(ValueError, match="extra_samplers = 1: must be true or false"):
+        parse_settings({"engine": {"extra_samplers": 1}})
+    assert parse_settings({"engine": {"extra_samplers": True}}).engine.engine_config().extra_samplers
