@@ -27,6 +27,7 @@ from sanic.http import Stage
 from sanic.server.protocols.http_protocol import HttpProtocol
 
 from serving.metrics import Metrics
+from serving.openapi import docs
 from serving.output import Done, Error, Finish, Formatter, Output, sse
 from serving.protocol import ApiError, Prepared, parse_chat, parse_completion
 from serving.scheduler import Job, Scheduler, reservation_bytes, warmup_engine
@@ -290,15 +291,14 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
     reservation = reservation_bytes(prepared, srv.scheduler.bytes_per_page, pages, cfg.vocab_size, settings,
                                     len(request.body or b""), srv.scheduler.recurrent_bytes)
     never = None
-    param = "n"
-    if prepared.n > engine.layout.max_slots:
-        never = f"n={prepared.n} is more than the {engine.layout.max_slots} sequence slots"
-    elif pages * prepared.n > engine.layout.n_pages - 1:
+    param = "max_tokens"
+    if prepared.n > engine.layout.max_slots:  # the client's to change, whatever the load: 400, not 503
+        raise ApiError(400, f"'n' is {prepared.n}, over the {engine.layout.max_slots} choices this server runs at once "
+                            f"(its sequence slots); ask for n <= {engine.layout.max_slots}", param="n")
+    if pages * prepared.n > engine.layout.n_pages - 1:
         never = "the request needs more KV pages than the pool holds"
-        param = "max_tokens"
     elif reservation > settings.budget_bytes:
         never = "the request exceeds active_state_mib; reduce max_tokens or n, or raise the state budget"
-        param = "max_tokens"
     if never:
         srv.scheduler.totals["rejected"] += 1
         srv.metrics.count_outcome("rejected")
@@ -556,7 +556,7 @@ async def delete_session(request: Request, session_id: str) -> Any:
     return response.json({"id": session_id, "object": "session.deleted", "deleted": True})
 
 
-_OPEN_PATHS = {"/health", "/metrics"}
+_OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 
 
 async def _drain(srv: Server, seconds: float) -> None:
@@ -594,6 +594,7 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     srv = Server(settings, loader, model_name, keys, warmup, on_death, profile_dir)
     app.ctx.server = srv
     app.blueprint(api)
+    app.blueprint(docs)
 
     @app.on_request
     async def authenticate(request: Request) -> Any:

@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
+from serving import faults
 from serving.metrics import Metrics
 from serving.output import Delta, Done, Error, Finish, Output, TokenLogprob
 from serving.pacer import ChunkPacer
@@ -444,13 +445,15 @@ class Scheduler:
         self.totals["failed_rounds"] += 1
         self.metrics.round_failures.inc()
         log.error("round failed: %s\n%s", e, traceback.format_exc())
+        status, message = faults.round_failure(e)  # device out of memory: 503, else 500
         for a in {id(a): a for a, _ in members}.values():
             if a in self.active:
-                self._fail(a, f"internal error in the model step: {e}", 500)
+                self._fail(a, message, status)
 
     def _finish(self, r: InFlight) -> None:
         """Collects a launched round and turns its tokens into text and frames."""
         try:
+            faults.inject(r.members)  # test-only: a no-op unless the debug hook turns faults on
             events = self.engine.collect(r.handle)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
             self._round_failed(r.members, e)
