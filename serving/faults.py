@@ -7,9 +7,10 @@ anything else is a 500.
 
 Injected faults are test-only and sit behind the project's one debug hook,
 `$JAXLLM_DEBUG_KERNELS` (see `jaxllm.model.kernel_choice`): with `faults=on` in it, a round
-carrying a request whose `user` field is `jaxllm-fault:error` raises a RuntimeError where the
-round's device results are read, and one whose `user` is `jaxllm-fault:oom` raises the
-XlaRuntimeError that XLA raises when the device runs out of memory. Without `faults=on` the
+carrying a request whose `user` field is `jaxllm-fault:error` fails as a compiled round that
+raises does (its donated device state deleted, a RuntimeError), and one whose `user` is
+`jaxllm-fault:oom` raises the XlaRuntimeError that XLA raises when the device runs out of
+memory. Without `faults=on` the
 `user` field means nothing to the server.
 """
 
@@ -41,23 +42,25 @@ def _faults_on(text: str) -> bool:
     return any(name.strip() == "faults" and value.strip() == "on" for name, _, value in items)
 
 
-def inject(members: Iterable[tuple[Any, Any]]) -> None:
-    """Raises the fault a request of this round asks for (test-only; see the module doc).
+def inject(members: Iterable[tuple[Any, Any]], engine: Any) -> None:
+    """Fails the round about to launch as a compiled round that raises would, if one of its
+    requests asks for a fault (test-only; see the module doc): the engine's device state,
+    which the round is given by donation, is deleted, and the error raised. (A jitted step
+    whose host callback raises leaves its donated state deleted exactly so, on the CPU.)
 
     Args:
       members: the round's (Active, Choice) pairs, as the scheduler keeps them.
+      engine: the `jaxllm.engine.Engine` whose state the round would consume.
     """
     if not _faults_on(os.environ.get(DEBUG_ENV, "")):
         return
-    for a, _ in members:
-        kind = FAULT_USERS.get(a.job.prepared.user or "")
-        if kind == "oom":
-            raise _xla_runtime_error(OOM_MESSAGE)
-        if kind == "error":
-            raise RuntimeError("injected fault in a compiled round (the faults debug hook)")
-
-
-def _xla_runtime_error(message: str) -> Exception:
+    kinds = {FAULT_USERS.get(a.job.prepared.user or "") for a, _ in members} - {None}
+    if not kinds:
+        return
     import jax
 
-    return jax.errors.JaxRuntimeError(message)
+    for leaf in jax.tree.leaves(engine.state):
+        leaf.delete()
+    if "oom" in kinds:
+        raise jax.errors.JaxRuntimeError(OOM_MESSAGE)
+    raise RuntimeError("injected fault in a compiled round (the faults debug hook)")

@@ -65,6 +65,7 @@ class EngineLike(Protocol):
     def launch(self, *, prefill_budget: int | None = None) -> Any: ...
     def collect(self, handle: Any) -> list[Any]: ...
     def extract(self, seq: Any, n_positions: int | None = None) -> Any: ...
+    def reset(self) -> None: ...
 
 
 class TokenizerLike(Protocol):
@@ -135,6 +136,7 @@ class InFlight:
     launched: float
     compiled: bool  # the launch compiled a new variant (its time says nothing about speed)
     completes_prompts: bool = False  # some prompt's last chunk rides in it: it has first tokens
+    epoch: int = 0  # failed rounds before its launch: one failing since means its state is gone
 
 
 @dataclasses.dataclass
@@ -410,6 +412,7 @@ class Scheduler:
         # nearly run the round (see run_once), so a clock read after it would miss the round.
         started = self.clock()
         try:
+            faults.inject(members, self.engine)  # test-only: a no-op unless the debug hook turns faults on
             handle = self.engine.launch(prefill_budget=budget)
             if handle is None:
                 return None
@@ -423,7 +426,7 @@ class Scheduler:
         completes = any(s.prefilled >= len(s.prompt) for s, _ in advanced)
         return InFlight(handle=handle, members=members, prefillers=list(prefillers.values()),
                         launched=started, compiled=self.compiles.count != compiles,
-                        completes_prompts=completes)
+                        completes_prompts=completes, epoch=self.totals["failed_rounds"])
 
     @staticmethod
     def _cache_points(job: Job) -> list[int]:
@@ -442,18 +445,25 @@ class Scheduler:
                 self._checkpoint(seq, b)
 
     def _round_failed(self, members: list[tuple[Active, Choice]], e: Exception) -> None:
+        """A round raised: the device state it was given (donated) may be gone, and with it the
+        cache of every live sequence (the round's and any admitted since), so they all fail,
+        the engine starts an empty state and the prefix cache forgets what it may have copied
+        from the lost one. Queued requests and the server go on."""
         self.totals["failed_rounds"] += 1
         self.metrics.round_failures.inc()
-        log.error("round failed: %s\n%s", e, traceback.format_exc())
+        log.error("round failed (%d requests in it): %s\n%s", len({id(a) for a, _ in members}), e,
+                  traceback.format_exc())
         status, message = faults.round_failure(e)  # device out of memory: 503, else 500
-        for a in {id(a): a for a, _ in members}.values():
-            if a in self.active:
-                self._fail(a, message, status)
+        self.engine.reset()
+        self.cache.clear()
+        for a in list(self.active):
+            self._fail(a, message, status)
 
     def _finish(self, r: InFlight) -> None:
         """Collects a launched round and turns its tokens into text and frames."""
+        if r.epoch != self.totals["failed_rounds"]:
+            return  # launched on a device state that a failed round has since lost: nothing to read
         try:
-            faults.inject(r.members)  # test-only: a no-op unless the debug hook turns faults on
             events = self.engine.collect(r.handle)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
             self._round_failed(r.members, e)
