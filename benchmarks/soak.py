@@ -286,16 +286,28 @@ def soak(base: str, pid: int | None, *, key: str | None, clients: int, minutes: 
     state0 = idle_state(base, key, timeout=120)
     rss0 = rss_bytes(pid) if pid else None
     started = time.monotonic()
+    rss_series: list[float] = []
+    sampling = threading.Event()
+
+    def sample_rss() -> None:  # every ~10% of the run: does it level off or keep climbing?
+        while pid and not sampling.wait(minutes * 6):
+            rss_series.append(round(rss_bytes(pid) / 2**20, 1))
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
     outcomes, failures, mismatches = run_phase(base, key, model, clients=clients, seconds=minutes * 60,
                                                max_tokens=max_tokens, seed=seed, greedy=greedy)
+    sampling.set()
     elapsed = time.monotonic() - started
     state = idle_state(base, key, timeout=120)
     problems = check_idle(state, max_slots)
     m = metrics_values(base)
     for gauge in ("jaxllm_active_requests", "jaxllm_reserved_state_bytes", "jaxllm_reserved_pages",
-                  "jaxllm_queued_requests", "jaxllm_sessions"):
+                  "jaxllm_queued_requests"):
         if m.get(gauge, 0.0) != 0.0:
             problems.append(f"/metrics {gauge} = {m[gauge]}")
+    if state["sessions"]["active"] > state0["sessions"]["active"]:  # every client deletes its sessions
+        problems.append(f"{state['sessions']['active'] - state0['sessions']['active']} sessions left behind")
     for counter in ("reconcile_errors", "host_errors"):
         if state["requests"][counter]:
             problems.append(f"{counter} = {state['requests'][counter]}")
@@ -306,12 +318,13 @@ def soak(base: str, pid: int | None, *, key: str | None, clients: int, minutes: 
         "clients": clients, "minutes": round(elapsed / 60, 2), "requests": sum(outcomes.values()),
         "failed": len(failures), "outcomes": dict(sorted(outcomes.items())), "first_failures": failures[:10],
         "greedy_mismatches_under_load": mismatches, "server_totals": state["requests"], "idle_problems": problems,
+        "compilations_during_soak": state["compilations"] - state0["compilations"],
     }
     if rss0 is not None:
         rss1 = rss_bytes(pid)
         cache_growth = state["prefix_cache"]["bytes"] - state0["prefix_cache"]["bytes"]
         excess = (rss1 - rss0 - max(cache_growth, 0)) / rss0
-        result.update(rss_before_mib=round(rss0 / 2**20, 1), rss_after_mib=round(rss1 / 2**20, 1),
+        result.update(rss_before_mib=round(rss0 / 2**20, 1), rss_after_mib=round(rss1 / 2**20, 1), rss_series_mib=rss_series,
                       prefix_cache_growth_mib=round(cache_growth / 2**20, 1), rss_excess_growth=round(excess, 4))
         if excess >= 0.05:
             problems.append(f"RSS grew {excess:.1%} beyond the prefix cache's growth")

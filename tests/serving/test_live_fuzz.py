@@ -10,12 +10,14 @@ device out of memory is a 503 for the requests of that round.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import openai
 import pytest
 import requests
 
 from benchmarks.schemathesis_run import check_idle, fuzz, greedy_tokens, idle_state
+from benchmarks.soak import soak
 from tests.serving.launch import running_server
 
 KEY = "test-key"
@@ -118,3 +120,12 @@ def test_device_out_of_memory_is_a_503_for_its_requests(server, client, greedy, 
     assert e.value.body["type"] == "service_unavailable" if isinstance(e.value.body, dict) else True
     _assert_clean(server, greedy)
     assert _complete(client) == _complete(client)  # and it still serves
+
+
+def test_soak_smoke(server):
+    # benchmarks/soak.py for a few seconds (the real runs are in docs/benchmarks.md): every kind
+    # of request and disconnect, then the idle checks. RSS is left to the long runs.
+    result = soak(server["base"], None, key=KEY, clients=4, minutes=0.15, warmup_seconds=2, max_tokens=8,
+                  max_slots=MAX_SLOTS, seed=3)
+    assert result["ok"], json.dumps(result)
+    assert result["requests"] >= 8 and result["failed"] == 0, result
