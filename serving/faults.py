@@ -1,17 +1,16 @@
 """Failures of a round: what a client gets (`round_failure`), and faults injected for tests.
 
-A round that raises fails the requests riding in it (the scheduler's `_round_failed`). What
-they are told depends on the error: a device out of memory (XLA's RESOURCE_EXHAUSTED) is a
-503, the load's fault rather than the request's or a bug, and retrying later may succeed;
-anything else is a 500.
+A round that raises fails the requests riding in it, and any admitted since, which share the
+device state it lost (the scheduler's `_round_failed`). What they are told depends on the
+error: a device out of memory (XLA's RESOURCE_EXHAUSTED) is a 503, the load's fault rather
+than the request's or a bug, and retrying later may succeed; anything else is a 500.
 
 Injected faults are test-only and sit behind the project's one debug hook,
 `$JAXLLM_DEBUG_KERNELS` (see `jaxllm.model.kernel_choice`): with `faults=on` in it, a round
 carrying a request whose `user` field is `jaxllm-fault:error` fails as a compiled round that
 raises does (its donated device state deleted, a RuntimeError), and one whose `user` is
 `jaxllm-fault:oom` raises the XlaRuntimeError that XLA raises when the device runs out of
-memory. Without `faults=on` the
-`user` field means nothing to the server.
+memory. Without `faults=on` the `user` field means nothing to the server.
 """
 
 from __future__ import annotations
