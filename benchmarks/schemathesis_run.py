@@ -125,14 +125,18 @@ def greedy_tokens(base: str, api_key: str | None, model: str) -> list[str]:
 
 
 def idle_state(base: str, api_key: str | None, timeout: float = 30.0) -> dict[str, Any]:
-    """/v1/state once no request is active or queued (fails after `timeout`)."""
+    """/v1/state once no request is active or queued (or after `timeout`), read again after
+    the idle worker's next snapshot (it republishes about once a second), so the answer also
+    shows what handlers did after the last round (a session deleted, say)."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     end = time.monotonic() + timeout
     while True:
         s = requests.get(f"{base}/v1/state", headers=headers, timeout=30).json()
         if not s["active_requests"] and not s["queued_requests"] or time.monotonic() > end:
-            return s
+            break
         time.sleep(0.1)
+    time.sleep(1.5)
+    return requests.get(f"{base}/v1/state", headers=headers, timeout=30).json()
 
 
 def check_idle(state: dict[str, Any], max_slots: int | None) -> list[str]:
