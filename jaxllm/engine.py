@@ -268,13 +268,7 @@ class Engine:
             max_seq_len=config.max_seq_len,
             page_size=config.page_size,
         )
-        self.state = steps.new_state(cfg, self.layout)
-        if config.extra_samplers:
-            self.state = self.state.replace(sampling=self.state.sampling.replace(extra=samplers_extra.empty_extra(
-                config.max_slots, cfg.vocab_size, self.layout.max_seq_len, config.logits_processors)))
-        self.free_slots = list(range(config.max_slots))
-        self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
-        self.seqs: dict[int, Sequence] = {}  # slot -> sequence
+        self.reset()
         self._ids = itertools.count()
         # Tokens routed to each expert since start, [L, E] ([L, 0] for dense models).
         self.expert_tokens = np.zeros((cfg.n_layers, cfg.n_experts if cfg.is_moe else 0), np.int64)
@@ -288,6 +282,18 @@ class Engine:
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
         self._compiled: dict[tuple, Callable[..., Any]] = {}
+
+    def reset(self) -> None:
+        """An empty device state and no sequences. After a round raised, the state it was
+        given (donated) may be gone, and with it every live sequence's cache: the caller
+        resets and fails those sequences' requests."""
+        self.state = steps.new_state(self.cfg, self.layout)
+        if self.config.extra_samplers:
+            self.state = self.state.replace(sampling=self.state.sampling.replace(extra=samplers_extra.empty_extra(
+                self.config.max_slots, self.cfg.vocab_size, self.layout.max_seq_len, self.config.logits_processors)))
+        self.free_slots = list(range(self.config.max_slots))
+        self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
+        self.seqs: dict[int, Sequence] = {}  # slot -> sequence
 
     # ---- capacity ---------------------------------------------------------------------
     @property

@@ -25,6 +25,7 @@ from sanic.http import Stage
 from sanic.server.protocols.http_protocol import HttpProtocol
 
 from serving.errors import ApiError
+from serving.openapi import docs
 from serving.routes import admin, openai_api, sessions
 from serving.routes.common import error_response
 from serving.server_state import Server
@@ -73,7 +74,7 @@ class CappedHttpProtocol(HttpProtocol):
             super().connection_lost(exc)
 
 
-_OPEN_PATHS = {"/health", "/metrics"}
+_OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 
 
 async def _drain(srv: Server, seconds: float) -> None:
@@ -104,7 +105,7 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     keys = frozenset(k for k in (api_key, *api_keys) if k)
     srv = Server(settings, loader, model_name, keys, warmup, on_death, profile_dir)
     app.ctx.server = srv
-    for routes in (openai_api.bp, admin.bp, sessions.bp):
+    for routes in (openai_api.bp, admin.bp, sessions.bp, docs):
         app.blueprint(routes)
 
     @app.on_request

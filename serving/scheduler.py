@@ -35,8 +35,9 @@ import numpy as np
 from jaxllm.engine import DraftStats, RoundPlan
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
-from serving.choice_text import ChoiceEnd, ChoiceText, ChoiceTextError, TokenizerLike, usage
+from serving import faults
 from serving.admission import Admission, Capacity, Job, Pool
+from serving.choice_text import ChoiceEnd, ChoiceText, ChoiceTextError, TokenizerLike, usage
 from serving.metrics import Metrics
 from serving.output import Done, Error
 from serving.pacer import ChunkPacer
@@ -75,6 +76,7 @@ class EngineLike(Protocol):
     def launch(self, *, prefill_budget: int | None = None) -> LaunchedLike | None: ...
     def collect(self, handle: Any) -> list[Any]: ...
     def extract(self, seq: Any, n_positions: int | None = None) -> Any: ...
+    def reset(self) -> None: ...
 
 
 class CompileCounter:
@@ -117,6 +119,7 @@ class InFlight:
     launched: float
     compiled: bool  # the launch compiled a new variant (its time says nothing about speed)
     completes_prompts: bool = False  # some prompt's last chunk rides in it: it has first tokens
+    epoch: int = 0  # failed rounds before its launch: one failing since means its state is gone
 
 
 @dataclasses.dataclass
@@ -182,6 +185,7 @@ class Scheduler:
         self._generation = settings.current.generation
         self._in_flight: InFlight | None = None
         self._last_collect = 0.0
+        self._failed_rounds = 0  # rounds that raised (also a Prometheus counter): InFlight.epoch
 
     @property
     def totals(self) -> dict[str, float]:
@@ -381,6 +385,7 @@ class Scheduler:
         # nearly run the round (see run_once), so a clock read after it would miss the round.
         started = self.clock()
         try:
+            faults.inject(members, self.engine)  # test-only: a no-op unless the debug hook turns faults on
             handle = self.engine.launch(prefill_budget=budget)
             if handle is None:
                 return None
@@ -399,7 +404,7 @@ class Scheduler:
         prefillers = {id(a): a for a in (self.by_seq[p.seq_id][0] for p in advanced)}  # n > 1 share a request
         return InFlight(handle=handle, members=members, prefillers=list(prefillers.values()),
                         launched=started, compiled=self.compiles.count != compiles,
-                        completes_prompts=handle.plan.completes_prompts)
+                        completes_prompts=handle.plan.completes_prompts, epoch=self._failed_rounds)
 
     @staticmethod
     def _cache_points(job: Job) -> list[int]:
@@ -417,14 +422,24 @@ class Scheduler:
                 self._checkpoint(seq, b)
 
     def _round_failed(self, members: list[tuple[Active, Choice]], e: Exception) -> None:
+        """A round raised: the device state it was given (donated) may be gone, and with it the
+        cache of every live sequence (the round's and any admitted since), so they all fail,
+        the engine starts an empty state and the prefix cache forgets what it may have copied
+        from the lost one. Queued requests and the server go on."""
+        self._failed_rounds += 1  # the epoch of rounds launched from now on
         self.metrics.round_failures.inc()
-        log.error("round failed: %s\n%s", e, traceback.format_exc())
-        for a in {id(a): a for a, _ in members}.values():
-            if a in self.active:
-                self._fail(a, f"internal error in the model step: {e}", 500)
+        log.error("round failed (%d requests in it): %s\n%s", len({id(a) for a, _ in members}), e,
+                  traceback.format_exc())
+        status, message = faults.round_failure(e)  # device out of memory: 503, else 500
+        self.engine.reset()
+        self.cache.clear()
+        for a in list(self.active):
+            self._fail(a, message, status)
 
     def _finish(self, r: InFlight) -> None:
         """Collects a launched round and turns its tokens into text and frames."""
+        if r.epoch != self._failed_rounds:
+            return  # launched on a device state that a failed round has since lost: nothing to read
         try:
             events = self.engine.collect(r.handle)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests

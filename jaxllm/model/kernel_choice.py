@@ -19,6 +19,8 @@ from jaxllm.pallas_triton import kernels_available
 # e.g. JAXLLM_DEBUG_KERNELS="decode_attention=reference,decode_matmul=xla".
 DEBUG_ENV = "JAXLLM_DEBUG_KERNELS"
 _DEBUG_FIELDS = ("decode_attention", "decode_matmul", "decode_norm", "decode_delta", "sampler_branches")
+# Items of the same hook read elsewhere: "faults=on" injects test faults (serving/faults.py).
+_OTHER_ITEMS = ("faults",)
 
 
 def debug_overrides(text: str | None = None) -> dict[str, str]:
@@ -28,6 +30,8 @@ def debug_overrides(text: str | None = None) -> dict[str, str]:
     out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
+        if name.strip() in _OTHER_ITEMS:
+            continue
         if not sep or name.strip() not in _DEBUG_FIELDS:
             raise ValueError(f"{DEBUG_ENV}: expected name=value with name in {', '.join(_DEBUG_FIELDS)}, got {item!r}")
         out[name.strip()] = value.strip()

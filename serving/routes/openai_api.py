@@ -58,6 +58,9 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
     prepared = await loop.run_in_executor(None, prepare)
     pages = engine.pages_needed(len(prepared.prompt) + prepared.max_tokens)
     pool = srv.scheduler.pool
+    if prepared.n > pool.max_slots:  # the client's to change, whatever the load: 400, not 503
+        raise ApiError(400, f"'n' is {prepared.n}, over the {pool.max_slots} choices this server runs at once "
+                            f"(its sequence slots); ask for n <= {pool.max_slots}", param="n")
     reservation = reserve(prepared, pages, pool, settings, len(request.body or b"")).total
     never = never_fits(prepared.n, pages, reservation, pool, settings)
     if never is not None:

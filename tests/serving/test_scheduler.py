@@ -85,6 +85,11 @@ class FakeEngine:
     def extract(self, seq, n):
         return SimpleNamespace(nbytes=lambda: 10, n=n)
 
+    def reset(self):
+        self.resets = getattr(self, "resets", 0) + 1
+        for seq in list(self.seqs.values()):
+            self.remove(seq)
+
     def can_extract(self, seq, n):
         return 0 < n <= min(seq.prefilled, len(seq.prompt))
 
@@ -319,10 +324,34 @@ def test_failing_round_fails_only_its_requests(loop):
     engine.fail_next = True
     sched.run_once()
     assert any(isinstance(f, Error) and f.status == 500 for f in frames(loop, a))
+    assert engine.resets == 1  # the donated device state may be gone: the engine starts a fresh one
     b = job(sched, loop, "b")
     run_until_idle(sched)
     assert isinstance(frames(loop, b)[-1], Done)
     assert sched.reserved == 0 and not engine.seqs
+
+
+def test_a_round_launched_before_a_failure_is_not_read(loop):
+    # Round N+1 is launched before round N is collected; when N fails, N+1 ran on the state N
+    # lost, so it is dropped unread, and a request admitted after the failure runs normally.
+    sched, engine, _ = make(Limits())
+    a = job(sched, loop, "a", max_tokens=5)
+    sched.run_once()
+    sched.run_once()
+    collect = engine.collect
+
+    def failing(handle):
+        engine.collect = collect
+        raise RuntimeError("device error surfacing at the read")
+
+    engine.collect = failing
+    sched.run_once()
+    assert any(isinstance(f, Error) and f.status == 500 for f in frames(loop, a))
+    assert sched._in_flight is not None and sched._in_flight.epoch != sched.totals["failed_rounds"]
+    b = job(sched, loop, "b")
+    run_until_idle(sched)
+    assert isinstance(frames(loop, b)[-1], Done) and not any(isinstance(f, Error) for f in frames(loop, b))
+    assert sched.reserved == 0 and not engine.seqs and sched.totals["failed_rounds"] == 1
 
 
 def test_stop_string_is_never_leaked(loop):
