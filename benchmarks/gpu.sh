@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark plan in one script (an H200 with JAX 0.11 + CUDA plugin, no network).
 # Usage (repo root, with the wheels of the packages the machine lacks in .whl/):
-#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|decode|kv8|moe|moe_engine] [OUT_DIR]
+#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|decode|kv8|moe|moe_engine|hybrid|spec|gemv][,...] [OUT_DIR]
 # Installs the project without touching the machine's jax (--no-deps --no-index), then runs
 # the engine cases (benchmarks/gpu_engine.py) and/or the server cases (jaxllm bench-serve
 # against `jaxllm serve --load-format dummy`), printing one table each.
@@ -10,7 +10,12 @@ what=${1:-all}
 out=${2:-${OUT:-/tmp/jaxllm-bench}}
 mkdir -p "$out"
 site=/tmp/jaxllm-site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target "$site" .whl/*.whl . || exit 1
+if [[ $what == *,* ]]; then  # several cases, one install
+  skip=
+  for w in ${what//,/ }; do JAXLLM_SKIP_INSTALL=$skip bash "$0" "$w" "$out"; skip=1; done
+  exit
+fi
+[[ -n ${JAXLLM_SKIP_INSTALL:-} ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target "$site" .whl/*.whl . || exit 1
 export PYTHONPATH="$site" JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -94,4 +99,37 @@ if [[ $what == moe_engine ]]; then
   timeout ${MOE_ENGINE_S:-560} python3 benchmarks/gpu_engine.py --config configs/qwen3-30b-a3b.json --cases ${MOE_ENGINE_CASES:-a_steps,c} \
     --c-slots ${MOE_SLOTS:-16,64} --c-context 1536 --out "$out/engine-30b.json" 2>&1 | tee "$out/engine-30b.log" \
     | grep -E "^A |^C |rematerial|Can't reduce|Error|error:"
+fi
+
+# The hybrid family (issue 17) at Qwen3.5-35B-A3B's shape: batch-1 decode with and without
+# the Pallas DeltaNet decode kernel, a 2k-token prompt's first token, 16 and 64 concurrent.
+if [[ $what == hybrid ]]; then
+  timeout ${HYBRID_S:-540} python3 -m benchmarks.hybrid_gpu --config ${HYBRID_CONFIG:-configs/qwen3.5-35b-a3b.json} \
+    --cases ${HYBRID_CASES:-a,aref,b,c} --out "$out/hybrid.json" 2>&1 | grep -E "^A |^B |^C |params ready|Error|error:|rematerial"
+fi
+
+# Speculative decoding's verify cost at batch 1 and drafting's cost at 64 concurrent (issue 19).
+if [[ $what == spec ]]; then
+  for c in ${SPEC_CONFIGS:-configs/llama3-8b.json configs/qwen3.5-35b-a3b.json}; do
+    timeout ${SPEC_S:-280} python3 -m benchmarks.spec_gpu --config $c --cases ${SPEC_CASES:-verify,wide} 2>&1 \
+      | grep -E "^VERIFY|^WIDE|Error|error:"
+  done
+fi
+
+# One-row products by weight layout (the batch-1 MoE steps' non-expert time).
+if [[ $what == gemv ]]; then
+  timeout ${GEMV_S:-150} python3 -m benchmarks.gemv_layout_check 2>&1 | grep -E "^GEMV|Error|error:"
+fi
+
+# The Gated DeltaNet decode kernel (Qwen3-Next / Qwen3.5 linear attention) against its jnp
+# oracle at W = 1, 16, 64 windows of a 30 x 64-slot pool: errors and times.
+if [[ $what == gated_delta ]]; then
+  timeout ${GDN_CHECK_S:-200} python3 benchmarks/gated_delta_check.py ${GDN_ARGS:-} 2>&1 | grep -v "^W0\|^I0\|^E0"
+fi
+
+# Where a hybrid batch-1 decode step's time goes (kernel-level profile of the 35B-A3B shape).
+if [[ $what == profile_hybrid ]]; then
+  timeout ${PROFILE_S:-150} python3 benchmarks/profile_step.py --config configs/qwen3.5-35b-a3b.json --dtype bfloat16 --steps 8 \
+    --calls 2 --top 30 --out "$out/profile-35b" 2>&1 | grep -v "^W0\|^I0"
+  rm -rf "$out"/profile-*/raw
 fi

@@ -74,12 +74,18 @@ def kernel_parity() -> dict[str, float]:
     return {"cudnn_vs_reference_rel_err": float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))}
 
 
-def engine_for(cfg, opts: RuntimeOptions, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
+def engine_config(cfg, opts: RuntimeOptions, *, slots: int, max_seq_len: int, chunk: int, steps: int,
+                  **kw) -> EngineConfig:
+    """Pages for every slot's whole context, one chunk size, `steps` decode steps a call."""
     pages = slots * (-(-max_seq_len // 16) + 1) + 4
-    config = EngineConfig(
+    return EngineConfig(
         max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16, opts), max_seq_len=max_seq_len,
-        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps,
+        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps, **kw,
     )
+
+
+def engine_for(cfg, opts: RuntimeOptions, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
+    config = engine_config(cfg, opts, slots=slots, max_seq_len=max_seq_len, chunk=chunk, steps=steps)
     return Engine(cfg, params, eos_ids=[], config=config, options=opts)
 
 
@@ -137,7 +143,7 @@ def main() -> None:
     opts = RuntimeOptions(dtype=args.dtype, scan_layers=args.scan, kv_dtype=args.kv_dtype)
     results["kv_dtype"] = args.kv_dtype
     t = time.perf_counter()
-    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers)
+    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers, consume=True)
     jax.block_until_ready(params)
     results["load_s"] = time.perf_counter() - t
     costs = model_costs(cfg, params, opts)

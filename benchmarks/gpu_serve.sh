@@ -52,3 +52,15 @@ serve_and_bench smollm2 --load-format dummy --model configs/smollm2-135m.json --
 bench smollm2-single --vocab-size 49152 --input-len 128 --output-len 256 --concurrency 1 --num-prompts 4
 stop
 fi
+
+# The hybrid Qwen3.5-35B-A3B shape (issue 17): single stream, a 2k prompt, 64 concurrent.
+if [[ $cases == *qwen35* ]]; then
+serve_and_bench qwen3.5-35b --load-format dummy --model configs/qwen3.5-35b-a3b.json --dtype bfloat16 --unroll-layers \
+  --config configs/gpu-qwen3.5-35b.toml || exit 1
+bench 35b-single-1k --vocab-size 248000 --input-len 1000 --output-len 128 --concurrency 1 --num-prompts 4
+bench 35b-prefill-2k --vocab-size 248000 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts 4
+bench 35b-16x1k --vocab-size 248000 --input-len 1024 --output-len 256 --concurrency 16 --num-prompts 32
+bench 35b-64x1k --vocab-size 248000 --input-len 1024 --output-len 1024 --concurrency 64 --num-prompts 128
+grep -h "warm-up:" "$out"/serve-qwen3.5-35b.log
+stop
+fi

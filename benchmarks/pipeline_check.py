@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=False)
-    params = layout_params(dummy_params(cfg, dtype=opts.dtype), False)
+    params = layout_params(dummy_params(cfg, dtype=opts.dtype), False, consume=True)
     config = EngineConfig(max_slots=1, kv_bytes=200 * kv_bytes_per_page(cfg, 16, opts), max_seq_len=2048,
                           chunk_buckets=(1024,), min_ctx_pages=64, decode_steps_per_call=8)
     eng = Engine(cfg, params, eos_ids=[], config=config, options=opts)

@@ -65,7 +65,7 @@ def main() -> None:
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype=args.dtype, scan_layers=False, decode_matmul=args.decode_matmul,
                           sampler_branches=args.sampler_branches)
-    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers)
+    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers, consume=True)
     eng = engine_for(cfg, opts, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
     prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
     for _ in range(3):  # warm: every decode shape of the traced calls is compiled

@@ -116,6 +116,9 @@ class Sequence:
     finish_reason: str | None = None
     constraint: TokenConstraint | None = None
     dispatched: int = 0  # decode steps dispatched (may run ahead of `generated`)
+    # Prompt positions the caller wants to extract a prefix at (`add(stops=...)`); a launch's
+    # plan names those its chunk crossed.
+    extract_at: list[int] = dataclasses.field(default_factory=list)
     # Prompt positions where a prompt chunk must end: a recurrent state exists only where a
     # round stopped, so prefix-cache checkpoints of hybrid models are taken there.
     stops: list[int] = dataclasses.field(default_factory=list)
@@ -181,14 +184,48 @@ class PausedSequence:
     sequence: Sequence
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptAdvance:
+    """One prompt's part of a round's chunk: positions [start, end) are prefilled by it."""
+
+    seq_id: int
+    start: int
+    end: int
+    crossed: tuple[int, ...]  # the sequence's `extract_at` points in (start, end]
+    ends_prompt: bool  # the chunk ends the prompt: the sequence draws its first token
+
+
+# A verification round's cost in decode steps of a multi-step call, as measured on an H100
+# (8B, batch 1: 11.17 ms against 5.75 ms a step; docs/lab/hybrid-h200.md); see
+# `Engine._verify_pays`.
+VERIFY_COST_STEPS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """What `launch` planned, so a caller never diffs the sequences to learn it."""
+
+    prompts: tuple[PromptAdvance, ...] = ()  # the prompt chunk's members, oldest first
+    decoding: tuple[int, ...] = ()  # ids of the sequences that draw tokens without a chunk
+    steps: int = 1  # decode steps run one after another in the call
+    multi: bool = False  # the output has a leading step axis (several steps or a verification)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(p.end - p.start for p in self.prompts)
+
+    @property
+    def completes_prompts(self) -> bool:
+        return any(p.ends_prompt for p in self.prompts)
+
+
 @dataclasses.dataclass
 class Round:
     """A launched round: outputs still on the device, plus what the host planned."""
 
     output: steps.StepOutput
     seqs: dict[int, Sequence]  # slot -> sequence as of dispatch
-    multi: bool
-    prefill_tokens: int
+    plan: RoundPlan
     drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # slot -> drafts verified
 
 
@@ -236,16 +273,13 @@ class Engine:
             max_seq_len=config.max_seq_len,
             page_size=config.page_size,
         )
-        self.state = steps.new_state(cfg, self.layout, options)
-        if config.extra_samplers:
-            self.state = self.state.replace(sampling=self.state.sampling.replace(extra=samplers_extra.empty_extra(
-                config.max_slots, cfg.vocab_size, self.layout.max_seq_len, config.logits_processors)))
-        self.free_slots = list(range(config.max_slots))
-        self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
-        self.seqs: dict[int, Sequence] = {}  # slot -> sequence
+        self.reset()
         self._ids = itertools.count()
         # Tokens routed to each expert since start, [L, E] ([L, 0] for dense models).
         self.expert_tokens = np.zeros((cfg.n_layers, cfg.n_experts if cfg.is_moe else 0), np.int64)
+        # Distinct experts each step of the last collected round touched, the mean over the
+        # layers (the seed's expert statistics: why a wider round costs more); () when dense.
+        self.last_distinct_experts: tuple[float, ...] = ()
         self._seed_counter = itertools.count(1)
         self.draft_stats = DraftStats(config.max_drafts)
         # With an MTP head every verification round also drafts the next one (on device).
@@ -253,6 +287,18 @@ class Engine:
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
         self._compiled: dict[tuple, Callable[..., Any]] = {}
+
+    def reset(self) -> None:
+        """An empty device state and no sequences. After a round raised, the state it was
+        given (donated) may be gone, and with it every live sequence's cache: the caller
+        resets and fails those sequences' requests."""
+        self.state = steps.new_state(self.cfg, self.layout, self.options)
+        if self.config.extra_samplers:
+            self.state = self.state.replace(sampling=self.state.sampling.replace(extra=samplers_extra.empty_extra(
+                self.config.max_slots, self.cfg.vocab_size, self.layout.max_seq_len, self.config.logits_processors)))
+        self.free_slots = list(range(self.config.max_slots))
+        self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
+        self.seqs: dict[int, Sequence] = {}  # slot -> sequence
 
     # ---- capacity ---------------------------------------------------------------------
     @property
@@ -312,9 +358,10 @@ class Engine:
             self.free_slots.sort()
             raise
         self.state = state
+        points = sorted({int(b) for b in stops if 0 < b < len(prompt)})
         seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
-                       constraint=constraint, stops=sorted({int(b) for b in stops if 0 < b < len(prompt)})
-                       if self.cfg.n_linear_layers else [], drafting=self._draft_control(params, constraint))
+                       constraint=constraint, extract_at=points, stops=points if self.cfg.n_linear_layers else [],
+                       drafting=self._draft_control(params, constraint))
         if checkpoint is not None:
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
@@ -559,7 +606,7 @@ class Engine:
 
         if not prefilling and self.config.max_drafts:
             drafts = self._propose(decoding)
-            if drafts:
+            if drafts and self._verify_pays(decoding, drafts):
                 return self._launch_verify(inputs, decoding, drafts, snapshot)
 
         # Several steps per call only help unconstrained slots (a constrained one takes the
@@ -582,13 +629,14 @@ class Engine:
                     self.params, self.state, inputs, cfg=self.cfg, opts=self.options, n_steps=n, n_ctx_pages=ctx, decode_width=width,
                     full_sampler=full,
                 )
-            return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0)
+            return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), steps=n, multi=True))
 
         max_chunk = self.config.chunk_buckets[-1]
         budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
         # The chunk is padded to its bucket anyway: padded rows cost what prompt tokens do.
         budget = next(b for b in self.config.chunk_buckets if b >= budget)
-        chunk, ctx_needed, n_prompt, finishing = self._build_chunk(budget)
+        chunk, ctx_needed, prompts, finishing = self._build_chunk(budget)
+        n_prompt = sum(p.end - p.start for p in prompts)
         self._constrain(inputs, decoding + finishing)
         ctx_needed = max([ctx_needed] + [s.position_bound + 1 for s in decoding])
         for s in decoding:
@@ -603,7 +651,7 @@ class Engine:
                 self.params, self.state, inputs, chunk, cfg=self.cfg, opts=self.options, chunk_len=chunk_len, n_ctx_pages=ctx,
                 decode_width=width,
             )
-        return Round(output=out, seqs=snapshot, multi=False, prefill_tokens=n_prompt)
+        return Round(output=out, seqs=snapshot, plan=RoundPlan(prompts=prompts, decoding=_ids(decoding)))
 
     def _propose(self, decoding: list[Sequence]) -> dict[int, list[int]]:
         """Drafts for the decoding sequences whose every token is collected (drafts continue
@@ -621,6 +669,29 @@ class Engine:
             if proposal or self.mtp_drafts:  # an MTP model verifies with no drafts to get the head's first ones
                 out[s.slot] = proposal
         return out
+
+    def _verify_pays(self, decoding: list[Sequence], drafts: dict[int, list[int]]) -> bool:
+        """Whether a verification round beats a plain decode call now.
+
+        A verification round is one step of the model for every decoding slot, and it gives
+        up the several steps a plain call takes per launch (`decode_steps_per_call`). On an
+        H100 (8B, batch 1) a round verifying 1 + 3 tokens cost 1.94x a step of an 8-step call,
+        and 64 concurrent sequences whose drafts were rarely accepted lost 31% of their
+        throughput to verification rounds (docs/lab/hybrid-h200.md). So with several steps a
+        call and several decoding sequences, a round verifies only when the tokens it is
+        expected to give, 1 + a + a^2 + ... per sequence for its planned drafts at its own
+        acceptance rate a so far, reach `VERIFY_COST_STEPS` per decoding sequence.
+        """
+        if self.config.decode_steps_per_call <= 1 or len(decoding) <= 1:
+            return True
+        expected = len(decoding) - len(drafts)  # sequences without drafts still emit one token
+        for slot, proposal in drafts.items():
+            control = self.seqs[slot].drafting
+            planned = control.wanted() if self.mtp_drafts else len(proposal)  # an MTP head proposes in the round
+            # Optimistic until a few drafts were verified: a sequence must try to learn its rate.
+            rate = control.accepted / control.proposed if control.proposed >= 4 else 0.8
+            expected += sum(rate**i for i in range(planned + 1))
+        return expected >= VERIFY_COST_STEPS * len(decoding)
 
     def _launch_verify(self, inputs: steps.RoundInputs, decoding: list[Sequence], drafts: dict[int, list[int]],
                        snapshot: dict[int, Sequence]) -> Round:
@@ -648,7 +719,7 @@ class Engine:
         else:
             self.state, out = steps.verify(self.params, self.state, inputs, d, cfg=self.cfg, opts=self.options, n_ctx_pages=ctx,
                                            full_sampler=full)
-        return Round(output=out, seqs=snapshot, multi=True, prefill_tokens=0,
+        return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), multi=True),
                      drafts={s.slot: int(count[s.slot]) for s in decoding})
 
     @staticmethod
@@ -696,21 +767,21 @@ class Engine:
             left -= n
         return members
 
-    def _build_chunk(self, budget: int) -> tuple[steps.ChunkBatch, int, int, list[Sequence]]:
+    def _build_chunk(self, budget: int) -> tuple[steps.ChunkBatch, int, tuple[PromptAdvance, ...], list[Sequence]]:
         """The next round's prompt chunk (see `_chunk_members`); advances `prefilled`.
 
         Returns:
-          (chunk, furthest position it reaches, prompt tokens in it, the sequences whose
-          prompt it ends: they draw their first token this round).
+          (chunk, furthest position it reaches, what it prefills of each prompt, the
+          sequences whose prompt it ends: they draw their first token this round).
         """
         B = self.layout.max_slots
         members = self._chunk_members(budget)
         if not members:
-            return steps.empty_chunk(B), 0, 0, []
+            return steps.empty_chunk(B), 0, (), []
         total = sum(n for _, n in members)
         bucket = next(b for b in self.config.chunk_buckets if b >= total)
         chunk = self._idle_chunk(bucket)
-        reach, at, finishing = 0, 0, []
+        reach, at, finishing, advances = 0, 0, [], []
         for i, (seq, n) in enumerate(members):
             start = seq.prefilled
             chunk.tokens[at : at + n] = seq.prompt[start : start + n]
@@ -720,18 +791,23 @@ class Engine:
             ends = seq.prefilled == len(seq.prompt)
             chunk.seg_slot[i], chunk.seg_start[i], chunk.seg_len[i], chunk.seg_samples[i] = seq.slot, at, n, ends
             finishing += [seq] if ends else []
+            advances.append(PromptAdvance(seq.id, start, seq.prefilled,
+                                          tuple(b for b in seq.extract_at if start < b <= seq.prefilled), ends))
             reach = max(reach, seq.prefilled)
             at += n
-        return chunk, reach, total, finishing
+        return chunk, reach, tuple(advances), finishing
 
     def collect(self, handle: Round) -> list[TokenEvent]:
         """Reads a launched round (one device_get) and appends its tokens to the sequences."""
         out = jax.device_get(handle.output)
         next_drafts, out = out.next_drafts, out.replace(next_drafts=None)
         experts = out.expert_tokens
-        self.expert_tokens += experts.sum(axis=0) if handle.multi else experts
+        self.expert_tokens += experts.sum(axis=0) if handle.plan.multi else experts
+        if experts.shape[-1]:
+            per_step = experts if handle.plan.multi else experts[None]  # [steps, L, E]
+            self.last_distinct_experts = tuple((per_step > 0).sum(axis=-1).mean(axis=-1).tolist())
         steps_out = (
-            [jax.tree.map(lambda x: x[i], out) for i in range(out.tokens.shape[0])] if handle.multi else [out]
+            [jax.tree.map(lambda x: x[i], out) for i in range(out.tokens.shape[0])] if handle.plan.multi else [out]
         )
         events: list[TokenEvent] = []
         for slot, seq in handle.seqs.items():
@@ -787,3 +863,6 @@ class Engine:
         handle = self.launch(prefill_budget=prefill_budget)
         return [] if handle is None else self.collect(handle)
 
+
+def _ids(seqs: list[Sequence]) -> tuple[int, ...]:
+    return tuple(s.id for s in seqs)

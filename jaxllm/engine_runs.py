@@ -39,15 +39,17 @@ def kv_bytes(cfg: ModelConfig, n_seqs: int, length: int, page_size: int = 16, *,
 
 
 def research_engine(model: Model, n_rows: int, longest: int, *, max_slots: int = 32,
-                    logits_processors: tuple = ()) -> Engine:
-    """An engine sized for `n_rows` sequences of up to `longest` positions, research samplers on."""
+                    logits_processors: tuple = (), max_drafts: int = 0) -> Engine:
+    """An engine sized for `n_rows` sequences of up to `longest` positions, research samplers
+    on; `max_drafts` > 0: sequences draft by prompt lookup (see `EngineConfig.max_drafts`)."""
     slots = max(1, min(n_rows, max_slots))
     longest = round_up(longest, 64)  # engines of similar runs share shapes, so compilations
     # Prompts are packed side by side into prefill chunks: on the CPU a comparison's many
     # short prompts would otherwise take a round each.
     return model.engine(EngineConfig(
         max_slots=slots, max_seq_len=longest, kv_bytes=kv_bytes(model.cfg, slots, longest, opts=model.options),
-        chunk_buckets=(64, 256), chunk_segments=4, extra_samplers=True, logits_processors=tuple(logits_processors)))
+        chunk_buckets=(64, 256), chunk_segments=4, extra_samplers=True, logits_processors=tuple(logits_processors),
+        max_drafts=max_drafts))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

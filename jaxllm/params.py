@@ -13,6 +13,8 @@ matrix-vector products, and fewer, larger ones stream the weights closer to memo
 
 from __future__ import annotations
 
+import collections
+
 from collections.abc import Callable
 from typing import Any
 
@@ -105,12 +107,12 @@ class HybridBlockParams:
 
 @struct.dataclass
 class HybridLayers:
-    """Layers of a hybrid model by kind (see `ModelConfig.layer_types`). The forward scans
-    over repeating groups of `layer_period` layers, so each kind's stack is reshaped to
-    [groups, per-group, ...] there."""
+    """Layers of a hybrid model by kind (see `ModelConfig.layer_types`). Stacked, the forward
+    scans over repeating groups of `layer_period` layers (each kind's stack reshaped to
+    [groups, per-group, ...] there); unrolled, each kind is a tuple of one-layer blocks."""
 
-    linear: HybridBlockParams | None  # Gated DeltaNet blocks
-    full: HybridBlockParams  # gated attention blocks
+    linear: HybridBlockParams | tuple[HybridBlockParams, ...] | None  # Gated DeltaNet blocks
+    full: HybridBlockParams | tuple[HybridBlockParams, ...]  # gated attention blocks
 
 
 @struct.dataclass
@@ -228,21 +230,49 @@ def check_params(params: Params, cfg: ModelConfig) -> None:
             raise ValueError(f"param {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
 
 
-def unstack_layers(params: Params) -> Params:
-    """Stacked layers -> a tuple of per-layer params (the unrolled layout). Hybrid layers
-    always stay stacked (they run scanned in groups of `layer_period`)."""
-    if isinstance(params.layers, (tuple, HybridLayers)):
+def _unstack(stacked, consume: bool):
+    leaves, treedef = jax.tree.flatten(stacked)
+    n = leaves[0].shape[0]
+    per_leaf = []
+    uses = collections.Counter(id(w) for w in leaves)  # a leaf may appear twice (one array reused)
+    for w in leaves:
+        per_leaf.append([w[i] for i in range(n)])
+        uses[id(w)] -= 1
+        if consume and isinstance(w, jax.Array) and not uses[id(w)]:
+            w.delete()  # one stacked leaf at a time: the peak is the model plus one leaf, not twice it
+    return tuple(jax.tree.unflatten(treedef, [pieces[i] for pieces in per_leaf]) for i in range(n))
+
+
+def _stack(layers):
+    return jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+
+
+def unstack_layers(params: Params, *, consume: bool = False) -> Params:
+    """Stacked layers -> a tuple of per-layer params (the unrolled layout); for hybrid
+    models, a tuple per layer kind. `consume` deletes each stacked weight once sliced (the
+    caller's `params` are unusable afterwards): a 35B model fits twice in no GPU."""
+    layers = params.layers
+    if isinstance(layers, HybridLayers):
+        if isinstance(layers.full, tuple):
+            return params
+        linear = None if layers.linear is None else _unstack(layers.linear, consume)
+        return params.replace(layers=HybridLayers(linear=linear, full=_unstack(layers.full, consume)))
+    if isinstance(layers, tuple):
         return params
-    n = jax.tree.leaves(params.layers)[0].shape[0]
-    layers = tuple(jax.tree.map(lambda w, i=i: w[i], params.layers) for i in range(n))
-    return params.replace(layers=layers)
+    return params.replace(layers=_unstack(layers, consume))
 
 
 def stack_layers(params: Params) -> Params:
     """A tuple of per-layer params -> stacked layers (the scan layout)."""
-    if not isinstance(params.layers, tuple):
+    layers = params.layers
+    if isinstance(layers, HybridLayers):
+        if not isinstance(layers.full, tuple):
+            return params
+        linear = None if layers.linear is None else _stack(layers.linear)
+        return params.replace(layers=HybridLayers(linear=linear, full=_stack(layers.full)))
+    if not isinstance(layers, tuple):
         return params
-    return params.replace(layers=jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers))
+    return params.replace(layers=_stack(layers))
 
 
 def _map_layers(fn: Callable[[LayerParams], LayerParams], params: Params) -> Params:
@@ -284,13 +314,13 @@ def unfuse_projections(params: Params) -> Params:
     return _map_layers(unfuse, params)
 
 
-def layout_params(params: Params, scan_layers: bool, *, fuse: bool = True) -> Params:
+def layout_params(params: Params, scan_layers: bool, *, fuse: bool = True, consume: bool = False) -> Params:
     """The runtime tree: layers stacked for `lax.scan` or unrolled, projections fused.
 
     Fusing is faster on both CPU and GPU (docs/lab/2026-12.md). `fuse=False` keeps one matrix
-    per projection (for A/B runs).
+    per projection (for A/B runs). `consume`: see `unstack_layers`.
     """
-    params = stack_layers(params) if scan_layers else unstack_layers(params)
+    params = stack_layers(params) if scan_layers else unstack_layers(params, consume=consume)
     return fuse_projections(params) if fuse else params
 
 

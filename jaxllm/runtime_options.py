@@ -19,6 +19,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "decode_attention": ("auto", "reference", "interpret"),
     "decode_matmul": ("auto", "xla"),
     "decode_norm": ("auto", "xla", "interpret"),
+    "decode_delta": ("auto", "reference", "interpret"),
     "sampler_branches": ("auto", "cond", "select"),
     "kv_dtype": KV_DTYPES,
 }
@@ -54,6 +55,11 @@ class RuntimeOptions:
     # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
     # always XLA's; "interpret" the Pallas kernel in its interpreter (CPU tests of the wiring).
     decode_norm: str = "auto"
+    # The one-token gated delta rule of decode rounds (hybrid family): "auto" runs the Pallas
+    # kernel (jaxllm.model.gated_delta_kernel: each slot's state read once and written once,
+    # in place) where it compiles (GPU), the jnp recurrence elsewhere; "reference" forces the
+    # jnp path; "interpret" runs the Pallas kernel in its interpreter (CPU tests of the wiring).
+    decode_delta: str = "auto"
     # The sampler's cheap optional parts (random draws, grammar mask): "cond" runs each only
     # when some row needs it (`lax.cond`); "select" always runs them and selects the results.
     # On the GPU every conditional makes the host wait for the device to read its predicate,

@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from jaxllm import samplers_extra
 from jaxllm.chat_template import ChatTemplateError, tokenize_chat
 from jaxllm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from jaxllm.tokenizer import Tokenizer
@@ -200,12 +201,60 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         drafts=drafts,
+        **_extra_samplers(body, settings),
     )
     try:
         p.validate(vocab)
     except ValueError as e:
         raise bad(str(e), _sampler_param(str(e), body, completion)) from None
     return p
+
+
+# The research samplers' request fields (llama.cpp server / vLLM names) -> SamplingParams
+# fields; mirostat_mode picks mirostat (2) or not (0) as llama.cpp's `mirostat` does.
+EXTRA_SAMPLER_FIELDS = {"typical_p": "typical_p", "epsilon_cutoff": "epsilon_cutoff", "eta_cutoff": "eta_cutoff",
+                        "top_n_sigma": "top_n_sigma", "dry_multiplier": "dry_multiplier", "dry_base": "dry_base",
+                        "dry_allowed_length": "dry_allowed_length", "xtc_probability": "xtc_probability",
+                        "xtc_threshold": "xtc_threshold", "mirostat_tau": "mirostat_tau",
+                        "mirostat_eta": "mirostat_eta"}
+
+
+def _extra_samplers(body: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
+    """SamplingParams fields of the research samplers a request sets (400 when the server
+    runs without `[engine] extra_samplers`, whose state rows they need)."""
+    given = {k: body[k] for k in (*EXTRA_SAMPLER_FIELDS, "mirostat_mode") if body.get(k) is not None}
+    mode = given.pop("mirostat_mode", 0)
+    if mode not in (0, 2):
+        raise bad("'mirostat_mode' must be 0 (off) or 2 (mirostat v2; v1 is not supported)", "mirostat_mode")
+    out = {EXTRA_SAMPLER_FIELDS[k]: v if k == "dry_allowed_length" else float(v) for k, v in given.items()}
+    if mode == 2:
+        out["mirostat_tau"] = out.get("mirostat_tau", 5.0)  # llama.cpp's default target surprise
+        if out["mirostat_tau"] <= 0:
+            raise bad("'mirostat_tau' must be > 0 with mirostat_mode 2", "mirostat_tau")
+    else:
+        out.pop("mirostat_tau", None)  # as in llama.cpp: tau and eta mean nothing without the mode
+    if out and not settings.engine.extra_samplers:
+        used = samplers_extra.uses_extra(SamplingParams(**out))
+        if used:
+            name = next(iter(given), "mirostat_mode")
+            raise bad(f"'{name}' needs a server started with [engine] extra_samplers = true (this one runs without "
+                      "the research samplers)", name)
+    return out
+
+
+# llama.cpp server's DRY sequence breakers when a request names none.
+DRY_BREAKERS = ("\n", ":", "\"", "*")
+
+
+def _with_dry_breakers(params: list[SamplingParams], body: Mapping[str, Any], tokenizer: Tokenizer) -> list[SamplingParams]:
+    """With DRY on, each choice's sequence breakers: the tokens of the request's
+    `dry_sequence_breakers` strings (llama.cpp's defaults without any). A match is broken
+    at those tokens (llama.cpp also breaks inside longer tokens that contain a breaker)."""
+    if not params or params[0].dry_multiplier <= 0:
+        return params
+    words = body.get("dry_sequence_breakers")
+    ids = tuple(sorted({t for w in (DRY_BREAKERS if words is None else words) for t in tokenizer.encode(w)}))
+    return [dataclasses.replace(p, dry_sequence_breakers=ids) for p in params]
 
 
 # SamplingParams fields; a `validate` message starts with the one it is about.
@@ -293,7 +342,8 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     seed = common["seed"] if common["seed"] is not None else session_seed
-    params = _choices(body, settings, len(chat.ids), max_context, vocab, logprobs, top, seed)
+    params = _with_dry_breakers(_choices(body, settings, len(chat.ids), max_context, vocab, logprobs, top, seed), body,
+                                tokenizer)
     contract = None
     if use_tools:
         fmt = pick_format(model_name, settings.defaults.tool_call_format or None)
@@ -336,7 +386,8 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Se
     echo = bool(_get(body, "echo", bool, False))
     if echo and logprobs:  # the prompt tokens' logprobs would need the prompt's logits, which prefill skips
         raise bad("'echo' with 'logprobs' is not supported (the prompt's logprobs are not computed)", "echo")
-    params = _choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"], completion=True)
+    params = _with_dry_breakers(_choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"],
+                                         completion=True), body, tokenizer)
     echo_text = "" if not echo else prompt if isinstance(prompt, str) else tokenizer.decode(
         ids, skip_special_tokens=common["skip_special_tokens"])
     return Prepared(kind="completion", model=model_name, prompt=ids, boundaries=[], params=params,

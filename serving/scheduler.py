@@ -32,46 +32,51 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxllm.engine import DraftStats, RoundPlan
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
+from serving import faults
+from serving.admission import Admission, Capacity, Job, Pool
+from serving.choice_text import ChoiceEnd, ChoiceText, ChoiceTextError, TokenizerLike, usage
 from serving.metrics import Metrics
-from serving.output import Delta, Done, Error, Finish, Output, TokenLogprob
+from serving.output import Done, Error
 from serving.pacer import ChunkPacer
-from serving.protocol import Prepared
 from serving.sessions import SessionStore
-from serving.settings import Settings, SettingsStore
-from serving.tool_calls import FallbackReason, ToolCallDecoder, finish_reason_for
+from serving.settings import SettingsStore
+from serving.tool_calls import FallbackReason
 
 log = logging.getLogger("jaxllm.serve")
 
 
-class EngineLike(Protocol):
-    """What the scheduler needs of `jaxllm.engine.Engine`."""
+class LaunchedLike(Protocol):
+    """A launched round as the scheduler reads it: what the engine planned."""
 
-    layout: Any
+    plan: RoundPlan
+
+
+class EngineLike(Protocol):
+    """Everything the scheduler uses of `jaxllm.engine.Engine` (tests/serving/test_engine_contract.py
+    checks that Engine has each with a compatible signature, and that the scheduler uses no more)."""
+
+    layout: Any  # jaxllm.state.StateLayout: max_slots, n_pages
     free_pages: list[int]
     free_slots: list[int]
-    seqs: dict[int, Any]
+    seqs: dict[int, Any]  # slot -> sequence (id, prompt, prefilled, pages, length, drafting)
+    draft_stats: DraftStats | None
+    expert_tokens: np.ndarray | None
+    last_distinct_experts: tuple[float, ...]
 
     @property
     def max_context(self) -> int: ...
-    def pages_needed(self, n_positions: int) -> int: ...
-    def can_admit(self, n_positions: int) -> bool: ...
     def add(self, prompt: list[int], params: SamplingParams, *, checkpoint: Any = None, cached_tokens: int = 0,
             constraint: Any = None, stops: Sequence[int] = ()) -> Any: ...
     def can_extract(self, seq: Any, n_positions: int) -> bool: ...
     def remove(self, seq: Any) -> None: ...
-    def launch(self, *, prefill_budget: int | None = None) -> Any: ...
+    def next_prefill(self) -> Any | None: ...
+    def launch(self, *, prefill_budget: int | None = None) -> LaunchedLike | None: ...
     def collect(self, handle: Any) -> list[Any]: ...
     def extract(self, seq: Any, n_positions: int | None = None) -> Any: ...
-
-
-class TokenizerLike(Protocol):
-    eos_ids: frozenset[int]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-    def detokenizer(self, skip_special_tokens: bool = True) -> Any: ...
-    def token_text(self, token_id: int) -> str: ...
+    def reset(self) -> None: ...
 
 
 class CompileCounter:
@@ -92,36 +97,16 @@ class CompileCounter:
 
 
 @dataclasses.dataclass
-class Job:
-    """A prepared request on its way through the worker."""
-
-    id: str
-    prepared: Prepared
-    settings: Settings
-    output: Output
-    reservation: int
-    pages: int
-    arrived: float
-    session_id: str | None = None
-    session_messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
 class Choice:
     index: int
     params: SamplingParams
-    seq: Any = None
-    detok: Any = None
-    tools: ToolCallDecoder | None = None
-    raw: str = ""  # decoded text (stop strings not yet cut)
-    published: int = 0  # chars of `raw` passed on (to the tool decoder / client)
-    content: str = ""  # visible content published
-    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    generated: list[int] = dataclasses.field(default_factory=list)
-    stop_at: int | None = None  # stop-string match position in `raw`
-    model_reason: str | None = None
-    finished: bool = False
+    text: ChoiceText
+    seq: Any = None  # None while the choice waits to fork from choice 0's prefill
+    end: ChoiceEnd | None = None  # set once the choice finished
+
+    @property
+    def finished(self) -> bool:
+        return self.end is not None
 
 
 @dataclasses.dataclass
@@ -134,6 +119,7 @@ class InFlight:
     launched: float
     compiled: bool  # the launch compiled a new variant (its time says nothing about speed)
     completes_prompts: bool = False  # some prompt's last chunk rides in it: it has first tokens
+    epoch: int = 0  # failed rounds before its launch: one failing since means its state is gone
 
 
 @dataclasses.dataclass
@@ -145,40 +131,20 @@ class Active:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     failed: bool = False
+    fork_at: int | None = None  # n > 1: the other choices fork from choice 0 once it prefilled this many tokens
 
     @property
     def phase(self) -> str:
-        return "decode" if all(c.seq is None or c.seq.prefilled >= len(c.seq.prompt) for c in self.choices) else "prefill"
+        ready = all(c.seq is not None and c.seq.prefilled >= len(c.seq.prompt) for c in self.choices)
+        return "decode" if ready else "prefill"
+
+    @property
+    def waiting_forks(self) -> list[Choice]:
+        return [c for c in self.choices if c.seq is None and not c.finished]
 
     @property
     def generated_tokens(self) -> int:
-        return sum(len(c.generated) for c in self.choices)
-
-
-def reservation_bytes(prepared: Prepared, bytes_per_page: int, pages: int, vocab: int, settings: Settings,
-                      body_bytes: int, recurrent_bytes: int = 0) -> int:
-    """What the whole request can need: KV pages for prompt + max_tokens, the fixed recurrent
-    state of a hybrid model's linear-attention layers, sampler workspace, token copies and
-    message copies (the request body twice, the response budget)."""
-    context = len(prepared.prompt) + prepared.max_tokens
-    per_choice = pages * bytes_per_page + recurrent_bytes + vocab * 24 + context * 16
-    return prepared.n * per_choice + 2 * body_bytes + settings.limits.response_bytes
-
-
-def _holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else None
+        return sum(len(c.text.generated) for c in self.choices)
 
 
 class Scheduler:
@@ -194,9 +160,9 @@ class Scheduler:
         self.settings = settings
         self.metrics = metrics
         self.sessions = sessions
-        self.bytes_per_page = bytes_per_page
-        self.recurrent_bytes = recurrent_bytes  # per sequence, fixed (hybrid models; else 0)
-        self.vocab = vocab
+        layout = engine.layout
+        self.pool = Pool(max_slots=layout.max_slots, usable_pages=layout.n_pages - 1, bytes_per_page=bytes_per_page,
+                         recurrent_bytes=recurrent_bytes, vocab=vocab)
         self.cache_options = cache_options
         self.clock = clock
         self.on_death = on_death
@@ -209,10 +175,7 @@ class Scheduler:
         self.pending: list[Job] = []
         self.active: list[Active] = []
         self.by_seq: dict[int, tuple[Active, Choice]] = {}
-        self.reserved = 0
-        self.totals = dict(queued=0, admitted=0, finished=0, failed=0, rejected=0, cancelled=0, cancelled_queued=0,
-                           prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0,
-                           decode_seconds=0.0, reconcile_errors=0, rounds=0, failed_rounds=0, host_errors=0)
+        self.admission = Admission()
         self.ready = False
         self.dead: BaseException | None = None
         self.stuck: str | None = None  # why nothing can be admitted any more (/health turns 503)
@@ -222,6 +185,17 @@ class Scheduler:
         self._generation = settings.current.generation
         self._in_flight: InFlight | None = None
         self._last_collect = 0.0
+        self._failed_rounds = 0  # rounds that raised (also a Prometheus counter): InFlight.epoch
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Counts since start (kept once, in the Prometheus counters)."""
+        return self.metrics.totals()
+
+    @property
+    def reserved(self) -> int:
+        """Bytes reserved by admitted requests (the admission's count)."""
+        return self.admission.reserved
 
     # ---- thread ----------------------------------------------------------------------
     def start(self) -> None:
@@ -235,7 +209,7 @@ class Scheduler:
             self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
-        self.totals["queued"] += 1
+        self.metrics.queued_requests.inc()
         self.inbox.put(job)
 
     def _main(self) -> None:
@@ -314,7 +288,6 @@ class Scheduler:
         for job in self.pending:
             if job.output.cancelled:
                 # The client left before admission: it never touches the device (499).
-                self.totals["cancelled_queued"] += 1
                 self.metrics.count_outcome("cancelled_before_admission")
                 self.metrics.count_http_error(499)
                 log.info("serve %s: 499 client went away before admission", job.id)
@@ -326,70 +299,76 @@ class Scheduler:
         for a in list(self.active):
             if a.job.output.cancelled:
                 self._release(a)
-                self.totals["cancelled"] += 1
                 self.metrics.count_outcome("cancelled")
 
     # ---- admission ---------------------------------------------------------------------
-    def _fits(self, job: Job) -> bool:
-        lim = job.settings.limits
-        if len(self.active) >= lim.active_requests:
-            return False
-        if self.reserved + job.reservation > job.settings.budget_bytes:
-            return False
-        return len(self.engine.free_slots) >= job.prepared.n and len(self.engine.free_pages) >= job.pages * job.prepared.n
-
     def _admit(self) -> None:
-        now = self.clock()
-        waiting: list[Job] = []
-        blocked = False
-        for i, job in enumerate(self.pending):
-            if blocked or not self._fits(job):
-                waiting.append(job)
-                # The oldest request may be passed by smaller ones only for a bounded time.
-                if i == 0 and now - job.arrived > job.settings.limits.starvation_seconds:
-                    blocked = True
-                continue
+        # Choices waiting to fork hold the slots and pages admission counted for them.
+        forks = [(a, c) for a in self.active for c in a.waiting_forks]
+        free = Capacity(free_slots=len(self.engine.free_slots) - len(forks),
+                        free_pages=len(self.engine.free_pages) - sum(a.job.pages for a, _ in forks),
+                        active=len(self.active))
+        chosen = self.admission.select(self.pending, free, self.clock())
+        self.pending = [job for job in self.pending if job not in chosen]
+        for job in chosen:
             self._start(job)
-        self.pending = waiting
 
     def _start(self, job: Job) -> None:
         p = job.prepared
         cached, ckpt = self.cache.lookup(p.prompt, self.cache_options)
         active = Active(job=job, choices=[], admitted=self.clock(), cached_tokens=cached)
+        # n > 1 prefills the prompt once: the other choices fork from choice 0's state of
+        # prompt[:-1] and each recomputes the last position to draw its own first token.
+        if p.n > 1 and cached < len(p.prompt) - 1:
+            active.fork_at = len(p.prompt) - 1
         try:
             for i, params in enumerate(p.params):
-                c = Choice(index=i, params=params, detok=self.tok.detokenizer(p.skip_special_tokens))
-                if p.tools is not None:
-                    c.tools = ToolCallDecoder(p.tools)
-                # Structured output: the grammar constraint was built with the request.
-                extra = {"constraint": p.constraints[i]} if p.constraints else {}
-                c.seq = self.engine.add(p.prompt, params, checkpoint=ckpt, cached_tokens=cached if ckpt is not None else 0,
-                                        stops=self._cache_points(job), **extra)
+                c = Choice(index=i, params=params, text=ChoiceText(
+                    i, self.tok, stop=p.stop, tools=p.tools, skip_special_tokens=p.skip_special_tokens,
+                    logprobs=p.logprobs, response_bytes=job.settings.limits.response_bytes))
                 active.choices.append(c)
-                self.by_seq[c.seq.id] = (active, c)
+                if i == 0 or active.fork_at is None:
+                    self._add_sequence(active, c, ckpt, cached)
         except Exception as e:  # noqa: BLE001 - engine validation: fail this request only
             for c in active.choices:
-                self.engine.remove(c.seq)
-                self.by_seq.pop(c.seq.id, None)
-            self.totals["failed"] += 1
+                if c.seq is not None:
+                    self.engine.remove(c.seq)
+                    self.by_seq.pop(c.seq.id, None)
             self.metrics.count_outcome("failed")
             job.output.add(Error(400 if isinstance(e, ValueError) else 500, str(e)))
             job.output.flush()
             return
-        self.reserved += job.reservation
+        self.admission.admitted(job)
         self.active.append(active)
-        self.totals["admitted"] += 1
-        self.totals["prompt_tokens"] += len(p.prompt)
-        self.totals["cached_tokens"] += cached
+        self.metrics.admitted_requests.inc()
         self.metrics.prompt_tokens.inc(len(p.prompt))
         self.metrics.cached_tokens.inc(cached)
+
+    def _add_sequence(self, a: Active, c: Choice, checkpoint: Any, cached: int) -> None:
+        """Puts choice `c` into the engine, its first `cached` prompt tokens restored from `checkpoint`."""
+        p = a.job.prepared
+        # Structured output: the grammar constraint was built with the request.
+        extra = {"constraint": p.constraints[c.index]} if p.constraints else {}
+        stops = self._cache_points(a.job) + ([a.fork_at] if a.fork_at is not None else [])
+        c.seq = self.engine.add(p.prompt, c.params, checkpoint=checkpoint,
+                                cached_tokens=cached if checkpoint is not None else 0, stops=stops, **extra)
+        self.by_seq[c.seq.id] = (a, c)
+
+    def _fork(self, a: Active, seq: Any) -> None:
+        """Adds the waiting choices from `seq`'s state of prompt[:fork_at] (a full prefill each
+        where the engine cannot extract it)."""
+        n = a.fork_at
+        a.fork_at = None
+        ckpt = self.engine.extract(seq, n) if self.engine.can_extract(seq, n) else None
+        for c in a.waiting_forks:
+            self._add_sequence(a, c, ckpt, n)
 
     def _release(self, a: Active) -> None:
         for c in a.choices:
             if c.seq is not None:
                 self.engine.remove(c.seq)
                 self.by_seq.pop(c.seq.id, None)
-        self.reserved -= a.job.reservation
+        self.admission.released(a.job)
         self.active.remove(a)
         a.job.output.flush()
 
@@ -400,29 +379,32 @@ class Scheduler:
         if self.engine.next_prefill() is not None:
             contended = len(self.active) > 1 or bool(self.pending)
             budget = self.pacer.tokens(contended)
-        # A chunk may carry several prompts and pass several boundaries; each passed boundary
-        # is checkpointed right after launch (the engine extracts exactly prompt[:b]).
-        before = [(s, s.prefilled) for s in self.engine.seqs.values() if s.prefilled < len(s.prompt)]
         members = [self.by_seq[s.id] for s in self.engine.seqs.values() if s.id in self.by_seq]
         compiles = self.compiles.count
         # Timed from before the call: on the GPU a launch returns only when the device has
         # nearly run the round (see run_once), so a clock read after it would miss the round.
         started = self.clock()
         try:
+            faults.inject(members, self.engine)  # test-only: a no-op unless the debug hook turns faults on
             handle = self.engine.launch(prefill_budget=budget)
             if handle is None:
                 return None
-            advanced = [(s, start) for s, start in before if s.prefilled > start and s.id in self.by_seq]
-            for prefilling, start in advanced:
-                self._checkpoint_passed(prefilling, start)
+            # A chunk may carry several prompts and pass several boundaries; each passed
+            # boundary is checkpointed right after launch (the engine extracts exactly prompt[:b]).
+            advanced = [p for p in handle.plan.prompts if p.seq_id in self.by_seq]
+            for p in advanced:
+                owner, choice = self.by_seq[p.seq_id]
+                points = set(self._cache_points(owner.job))  # the fork point may be none
+                self._checkpoint_crossed(choice.seq, tuple(b for b in p.crossed if b in points))
+                if owner.fork_at is not None and owner.fork_at in p.crossed:
+                    self._fork(owner, choice.seq)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
             self._round_failed(members, e)
             return None
-        prefillers = {id(a): a for a in (self.by_seq[s.id][0] for s, _ in advanced)}  # n > 1 share a request
-        completes = any(s.prefilled >= len(s.prompt) for s, _ in advanced)
+        prefillers = {id(a): a for a in (self.by_seq[p.seq_id][0] for p in advanced)}  # n > 1 share a request
         return InFlight(handle=handle, members=members, prefillers=list(prefillers.values()),
                         launched=started, compiled=self.compiles.count != compiles,
-                        completes_prompts=completes)
+                        completes_prompts=handle.plan.completes_prompts, epoch=self._failed_rounds)
 
     @staticmethod
     def _cache_points(job: Job) -> list[int]:
@@ -432,24 +414,32 @@ class Scheduler:
         points = sorted(set(p.boundaries) | {len(p.prompt) - 1})
         return [b for b in points if b > 0 and b >= job.settings.limits.prefix_cache_min_tokens]
 
-    def _checkpoint_passed(self, seq: Any, start: int) -> None:
-        """Checkpoints the prefix-cache points `seq`'s prefill passed since `start` (models with
-        recurrent layers end their chunks there; others can extract any passed prefix)."""
-        job = self.by_seq[seq.id][0].job
-        for b in self._cache_points(job):
-            if start < b <= seq.prefilled and self.engine.can_extract(seq, b):
+    def _checkpoint_crossed(self, seq: Any, crossed: tuple[int, ...]) -> None:
+        """Checkpoints the prefix-cache points a round's chunk crossed (models with recurrent
+        layers end their chunks there; others can extract any passed prefix)."""
+        for b in crossed:
+            if self.engine.can_extract(seq, b):
                 self._checkpoint(seq, b)
 
     def _round_failed(self, members: list[tuple[Active, Choice]], e: Exception) -> None:
-        self.totals["failed_rounds"] += 1
+        """A round raised: the device state it was given (donated) may be gone, and with it the
+        cache of every live sequence (the round's and any admitted since), so they all fail,
+        the engine starts an empty state and the prefix cache forgets what it may have copied
+        from the lost one. Queued requests and the server go on."""
+        self._failed_rounds += 1  # the epoch of rounds launched from now on
         self.metrics.round_failures.inc()
-        log.error("round failed: %s\n%s", e, traceback.format_exc())
-        for a in {id(a): a for a, _ in members}.values():
-            if a in self.active:
-                self._fail(a, f"internal error in the model step: {e}", 500)
+        log.error("round failed (%d requests in it): %s\n%s", len({id(a) for a, _ in members}), e,
+                  traceback.format_exc())
+        status, message = faults.round_failure(e)  # device out of memory: 503, else 500
+        self.engine.reset()
+        self.cache.clear()
+        for a in list(self.active):
+            self._fail(a, message, status)
 
     def _finish(self, r: InFlight) -> None:
         """Collects a launched round and turns its tokens into text and frames."""
+        if r.epoch != self._failed_rounds:
+            return  # launched on a device state that a failed round has since lost: nothing to read
         try:
             events = self.engine.collect(r.handle)
         except Exception as e:  # noqa: BLE001 - a failing round fails only its requests
@@ -460,20 +450,22 @@ class Scheduler:
         # whichever is later, so this is the round's own time once the pipeline is full.
         elapsed = now - max(r.launched, self._last_collect)
         self._last_collect = now
-        self.totals["rounds"] += 1
-        prefill_tokens = r.handle.prefill_tokens
+        self.metrics.rounds.inc()
+        for distinct in self.engine.last_distinct_experts:
+            if distinct:  # steps past every sequence's end route nothing
+                self.metrics.distinct_experts.observe(distinct)
+        plan = r.handle.plan
+        prefill_tokens = plan.prefill_tokens
+        self.metrics.prefilled_tokens.inc(prefill_tokens)
         if prefill_tokens:
             if not r.compiled:
                 self.pacer.observe(prefill_tokens, elapsed)
-            self.totals["prefill_seconds"] += elapsed
             self.metrics.prefill_seconds.inc(elapsed)
             for a in r.prefillers:
                 a.prefill_seconds += elapsed
         else:
             if not r.compiled:
-                steps = self.engine.config.decode_steps_per_call if r.handle.multi else 1
-                self.pacer.observe_decode(elapsed / steps)
-            self.totals["decode_seconds"] += elapsed
+                self.pacer.observe_decode(elapsed / plan.steps)
             self.metrics.decode_seconds.inc(elapsed)
         decoding = {id(a): a for a, c in r.members if c.seq is not None and c.seq.prefilled >= len(c.seq.prompt)}
         for a in decoding.values():
@@ -506,132 +498,63 @@ class Scheduler:
 
     # ---- tokens -> text -> frames ------------------------------------------------------
     def _on_tokens(self, a: Active, c: Choice, ev: Any) -> None:
-        p = a.job.prepared
-        tokens = list(ev.tokens)
-        c.generated.extend(tokens)
-        self.totals["generated_tokens"] += len(tokens)
-        self.metrics.generated_tokens.inc(len(tokens))
-        if ev.finish_reason is not None:
-            c.model_reason = ev.finish_reason
-        text_tokens = tokens[:-1] if ev.finish_reason == "stop" else tokens
-        items: list[TokenLogprob] = []
-        if p.logprobs:
-            for i, t in enumerate(tokens):
-                tops = [(self.tok.token_text(tid), lp) for tid, lp in (ev.top_logprobs[i] if i < len(ev.top_logprobs) else [])]
-                items.append((self.tok.token_text(t), ev.logprobs[i], tops))
-            c.logprobs.extend(items)
-        for t in text_tokens:
-            if c.stop_at is not None:
-                break
-            c.raw += c.detok.feed(t)
-        if ev.finish_reason is not None and c.stop_at is None:
-            c.raw += c.detok.flush()
+        self.metrics.generated_tokens.inc(len(ev.tokens))
         try:
-            self._advance_text(a, c, final=ev.finish_reason is not None, logprobs=tuple(items))
-        except _ResponseTooLarge as e:
-            self._fail(a, str(e), 400)
+            for frame in c.text.feed(ev.tokens, ev.logprobs, ev.top_logprobs, ev.finish_reason):
+                a.job.output.add(frame)
+            if not c.text.ended:
+                return
+            if c.seq is not None:
+                self.engine.remove(c.seq)
+            c.end = c.text.finish()
+        except ChoiceTextError as e:
+            if e.reconcile is not None:
+                self.metrics.reconcile_errors.inc()
+                log.error("serve %s: streamed text differs from the final decode (%s)", a.job.id, e.reconcile)
+            self._fail(a, str(e), e.status)
             return
-        if c.stop_at is not None or ev.finish_reason is not None:
-            self._finish_choice(a, c)
-
-    def _advance_text(self, a: Active, c: Choice, *, final: bool, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        p = a.job.prepared
-        if len(c.raw.encode()) > a.job.settings.limits.response_bytes:
-            raise _ResponseTooLarge("the response exceeds response_bytes; lower max_tokens")
-        if p.stop and c.stop_at is None:
-            longest = max(len(s) for s in p.stop)
-            c.stop_at = _find_stop(c.raw, p.stop, max(0, c.published - longest))
-        if c.stop_at is not None:
-            end = c.stop_at
-        elif final:
-            end = len(c.raw)
-        else:
-            end = len(c.raw) - _holdback(c.raw, p.stop)
-        piece = c.raw[c.published:end] if end > c.published else ""
-        c.published = max(c.published, end)
-        self._publish(a, c, piece, logprobs)
-
-    def _publish(self, a: Active, c: Choice, piece: str, logprobs: tuple[TokenLogprob, ...] = (), calls: tuple = ()) -> None:
-        deltas = list(calls)
-        if c.tools is not None and piece:
-            ev = c.tools.feed(piece)
-            piece = ev.content
-            deltas.extend(ev.tool_calls)
-        c.content += piece
-        if piece or deltas or logprobs:
-            a.job.output.add(Delta(c.index, piece, tuple(d.to_openai() for d in deltas), logprobs))
-
-    def _finish_choice(self, a: Active, c: Choice) -> None:
-        p = a.job.prepared
-        if c.seq is not None:
-            self.engine.remove(c.seq)
-        c.finished = True
-        reason = "stop" if c.stop_at is not None else (c.model_reason or "length")
-        # Reconcile the streamed text against one decode of the generated ids.
-        ids = c.generated[:-1] if c.model_reason == "stop" and c.stop_at is None else c.generated
-        expected = self.tok.decode(ids, skip_special_tokens=p.skip_special_tokens)
-        if p.stop:
-            cut = _find_stop(expected, p.stop, 0)
-            expected = expected if cut is None else expected[:cut]
-        streamed = c.raw if c.stop_at is None else c.raw[: c.stop_at]
-        if c.stop_at is not None and not expected.startswith(streamed) or c.stop_at is None and streamed != expected:
-            self.totals["reconcile_errors"] += 1
-            self.metrics.reconcile_errors.inc()
-            log.error("serve %s: streamed text differs from the final decode (%r vs %r)", a.job.id, streamed[-40:], expected[-40:])
-            self._fail(a, "streamed text differs from the final decode", 500)
+        for frame in c.end.frames:
+            a.job.output.add(frame)
+        d = c.end.diagnostics
+        if d is None:
             return
-        calls: list[dict[str, Any]] = []
-        if c.tools is not None:
-            term = c.tools.finish()
-            c.content += term.content_tail
-            if term.content_tail or term.tool_call_deltas:
-                a.job.output.add(Delta(c.index, term.content_tail, tuple(d.to_openai() for d in term.tool_call_deltas)))
-            calls = [{"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
-                     for tc in term.tool_calls]
-            d = term.diagnostics
-            if d.fallback_reason != FallbackReason.NONE:
-                self.metrics.tool_fallbacks.labels(reason=d.fallback_reason.value).inc()
-                log.info("serve %s: tool calls %dx (recovered: %s)", a.job.id, len(calls), d.fallback_reason.value)
-            if d.schema_mismatch_arguments or d.empty_arguments_omitted:
-                self.metrics.tool_schema_mismatches.inc(d.schema_mismatch_arguments)
-                self.metrics.tool_empty_arguments.inc(d.empty_arguments_omitted)
-                log.info("serve %s: tool calls %dx (%d schema mismatches, %d empty arguments omitted)", a.job.id,
-                         len(calls), d.schema_mismatch_arguments, d.empty_arguments_omitted)
-            reason = finish_reason_for(reason, bool(calls))
-        c.tool_calls = calls
-        a.job.output.add(Finish(c.index, reason, c.content, tuple(calls), tuple(c.logprobs)))
+        calls = len(c.end.tool_calls)
+        if d.fallback_reason != FallbackReason.NONE:
+            self.metrics.tool_fallbacks.labels(reason=d.fallback_reason.value).inc()
+            log.info("serve %s: tool calls %dx (recovered: %s)", a.job.id, calls, d.fallback_reason.value)
+        if d.schema_mismatch_arguments or d.empty_arguments_omitted:
+            self.metrics.tool_schema_mismatches.inc(d.schema_mismatch_arguments)
+            self.metrics.tool_empty_arguments.inc(d.empty_arguments_omitted)
+            log.info("serve %s: tool calls %dx (%d schema mismatches, %d empty arguments omitted)", a.job.id,
+                     calls, d.schema_mismatch_arguments, d.empty_arguments_omitted)
 
     def _complete(self, a: Active) -> None:
         p = a.job.prepared
         completion = a.generated_tokens
-        usage = {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
-                 "total_tokens": len(p.prompt) + completion,
-                 "prompt_tokens_details": {"cached_tokens": a.cached_tokens}}
         drafting = [c.seq.drafting for c in a.choices if c.seq is not None and getattr(c.seq, "drafting", None)]
-        if drafting:  # OpenAI's names for verified drafts (predicted outputs)
+        drafts = None
+        if drafting:
             proposed, accepted = sum(d.proposed for d in drafting), sum(d.accepted for d in drafting)
-            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                                  "rejected_prediction_tokens": proposed - accepted}
+            drafts = (proposed, accepted)
             if proposed:
                 log.info("serve %s: drafts %d, accepted %d (%.0f%%)", a.job.id, proposed, accepted, 100 * accepted / proposed)
         if a.job.session_id is not None:
-            c = a.choices[0]
-            reply: dict[str, Any] = {"role": "assistant", "content": c.content or (None if c.tool_calls else "")}
-            if c.tool_calls:
-                reply["tool_calls"] = c.tool_calls
+            end = a.choices[0].end
+            reply: dict[str, Any] = {"role": "assistant", "content": end.content or (None if end.tool_calls else "")}
+            if end.tool_calls:
+                reply["tool_calls"] = list(end.tool_calls)
             self.sessions.add_turn(a.job.session_id, a.job.session_messages, reply,
                                    {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
-                                    "cached_tokens": a.cached_tokens}, rng_used=not p.seed_given)
-        a.job.output.add(Done(usage, a.job.session_id))
+                                    "cached_tokens": a.cached_tokens}, seed=p.params[0].seed)
+        a.job.output.add(Done(usage(len(p.prompt), completion, a.cached_tokens, drafts), a.job.session_id))
         self._report(a)  # before release: KV fullness includes this request
         self._release(a)
-        self.totals["finished"] += 1
         self.metrics.count_outcome("finished")
 
     def _host_failed(self, a: Active, e: Exception) -> None:
         """A request's host code (text, tool calls, finish, usage, sessions) raised: the
         request gets a 500 and its resources back; the worker and every other request go on."""
-        self.totals["host_errors"] += 1
+        self.metrics.host_errors.inc()
         log.error("serve %s: request failed in host code: %s\n%s", a.job.id, e, traceback.format_exc())
         if not a.failed:
             self._fail(a, f"internal error while processing the request ({type(e).__name__}: {e})"[:1000], 500)
@@ -644,7 +567,6 @@ class Scheduler:
         a.job.output.flush()
         if a in self.active:
             self._release(a)
-        self.totals["failed"] += 1
         self.metrics.count_outcome("failed")
 
     def _report(self, a: Active) -> None:
@@ -661,10 +583,10 @@ class Scheduler:
             a.decode_seconds, _rate(decode, a.decode_seconds), ctx, self.engine.max_context,
             100 * ctx / max(self.engine.max_context, 1), used, layout.n_pages - 1, 100 * used / max(layout.n_pages - 1, 1),
         )
-        if self.recurrent_bytes:
+        if self.pool.recurrent_bytes:
             live = len(self.engine.seqs)
             log.info("serve %s: recurrent state %d/%d slots (%.1f MiB, %.0f%% full)", a.job.id, live, layout.max_slots,
-                     live * self.recurrent_bytes / 2**20, 100 * live / max(layout.max_slots, 1))
+                     live * self.pool.recurrent_bytes / 2**20, 100 * live / max(layout.max_slots, 1))
 
     # ---- housekeeping and the published snapshot ---------------------------------------
     def _housekeeping(self) -> None:
@@ -712,7 +634,7 @@ class Scheduler:
         m.prefix_cache_entries.set(cs["entries"])
         m.sessions.set(sess["active"])
         m.prefill_chunk.set(self.pacer.last)
-        stats = getattr(self.engine, "draft_stats", None)
+        stats = self.engine.draft_stats
         for j, rate in enumerate(stats.acceptance() if stats is not None else []):
             if rate is not None:
                 m.draft_acceptance.labels(position=str(j + 1)).set(rate)
@@ -723,7 +645,7 @@ class Scheduler:
             "settings_generation": self.settings.current.generation,
             "queued_requests": len(self.pending) + self.inbox.qsize(),
             "active_requests": len(self.active),
-            "requests": dict(self.totals),
+            "requests": self.metrics.totals(),
             "reserved_state_bytes": self.reserved,
             "state_budget_bytes": self.settings.current.budget_bytes,
             "reserved_pages": reserved_pages,
@@ -731,8 +653,8 @@ class Scheduler:
             "pages_total": layout.n_pages - 1,
             "free_slots": len(self.engine.free_slots),
             # Hybrid models: linear-attention layers hold a fixed-size state per live sequence.
-            "recurrent_state_bytes_in_use": self.recurrent_bytes * len(self.engine.seqs),
-            "recurrent_state_bytes_total": self.recurrent_bytes * layout.max_slots,
+            "recurrent_state_bytes_in_use": self.pool.recurrent_bytes * len(self.engine.seqs),
+            "recurrent_state_bytes_total": self.pool.recurrent_bytes * layout.max_slots,
             "prefill_chunk_tokens": self.pacer.last,
             "prefill_rate_tokens_per_s": self.pacer.rate,
             "active": [
@@ -746,8 +668,8 @@ class Scheduler:
             "prefix_cache": cs,
             "sessions": sess,
             "compilations": self.compiles.count,
-            "speculative": _draft_state(getattr(self.engine, "draft_stats", None)),
-            "expert_activity": expert_activity(getattr(self.engine, "expert_tokens", None)),
+            "speculative": _draft_state(self.engine.draft_stats),
+            "expert_activity": expert_activity(self.engine.expert_tokens),
         }
 
 
@@ -780,10 +702,6 @@ def expert_activity(tokens: np.ndarray | None) -> dict | None:
             float(row.max() / max(row.mean(), 1e-9)) for row in tokens
         ] if per_layer.any() else [],
     }
-
-
-class _ResponseTooLarge(Exception):
-    pass
 
 
 def warmup_engine(engine: Any, *, vocab: int, progress: Callable[[int, int], None] | None = None) -> int:

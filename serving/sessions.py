@@ -5,6 +5,17 @@ the API key that created it; a request with another key sees 404. Sessions expir
 `ttl` idle seconds. A turn claims its session until its response ends: a second turn sent
 meanwhile is refused (409) rather than interleaved into the history. Shared by handlers and
 the worker, so every method takes the lock.
+
+The rng: the sampler's draws are a function of (seed, position), so a sequence's whole rng
+state is its seed. A session keeps the seed its next turn samples with; after each turn it
+becomes `next_rng(seed that turn used)`, the request's own `seed` if it gave one. A seed
+given on the first turn therefore fixes every later turn, and a replayed conversation
+replays its tokens.
+
+With a `directory` (the `[limits] session_dir` setting) the store is written there with
+orbax on `persist` (the server's graceful stop) and read back by `SessionStore.open`: the
+same conversation continues after a restart with the same history and rng. Only the hash
+of the owner's key is written, never the key.
 """
 
 from __future__ import annotations
@@ -15,7 +26,10 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from serving.errors import ApiError
 
 
 def _key_hash(api_key: str | None) -> str:
@@ -51,9 +65,10 @@ class SessionBusy(Exception):
 
 
 class SessionStore:
-    def __init__(self, ttl: float, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl: float, *, clock: Callable[[], float] = time.monotonic, directory: str | Path | None = None):
         self.ttl = ttl
         self.clock = clock
+        self.directory = None if directory is None else Path(directory).absolute()
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._busy: set[str] = set()  # sessions with a turn in progress
@@ -119,7 +134,9 @@ class SessionStore:
             return True
 
     def add_turn(self, session_id: str, new_messages: list[dict[str, Any]], reply: dict[str, Any],
-                 usage: dict[str, int], rng_used: bool) -> None:
+                 usage: dict[str, int], seed: int | None) -> None:
+        """Appends a finished turn; `seed` is the seed it sampled with (the session's rng or
+        the request's own), from which the next turn's rng follows."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None:
@@ -128,8 +145,7 @@ class SessionStore:
             s.messages.append(reply)
             for k in s.usage:
                 s.usage[k] += usage.get(k, 0)
-            if rng_used:
-                s.rng = next_rng(s.rng)
+            s.rng = next_rng(s.rng if seed is None else seed)
             s.turns += 1
             s.used_at = self.clock()
 
@@ -145,3 +161,93 @@ class SessionStore:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"active": len(self._sessions), "created": self.created, "expired": self.expired}
+
+    # ---- persistence ---------------------------------------------------------------------
+    _FILE_VERSION = 1
+
+    @classmethod
+    def open(cls, ttl: float, directory: str | Path | None = None) -> SessionStore:
+        """A store over `directory` (None: in memory only), with the sessions saved there."""
+        store = cls(ttl, directory=directory or None)
+        if store.directory is not None and store.directory.exists():
+            store._load()
+        return store
+
+    def persist(self) -> int:
+        """Writes every live session to `directory` (orbax, atomically replacing the last
+        save); returns how many. A no-op without a directory."""
+        if self.directory is None:
+            return 0
+        self.expire()
+        now, wall = self.clock(), time.time()
+        with self._lock:
+            rows = [{"id": s.id, "owner": s.owner, "rng": s.rng, "created": s.created,
+                     "used_wall": wall - (now - s.used_at), "messages": s.messages, "usage": s.usage,
+                     "turns": s.turns} for s in self._sessions.values()]
+        import orbax.checkpoint as ocp  # only servers that persist pay for the import
+
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+            ckptr.save(self.directory, args=ocp.args.JsonSave({"version": self._FILE_VERSION, "sessions": rows}),
+                       force=True)
+        return len(rows)
+
+    def _load(self) -> None:
+        import orbax.checkpoint as ocp
+
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+            data = ckptr.restore(self.directory, args=ocp.args.JsonRestore())
+        if data.get("version") != self._FILE_VERSION:
+            raise ValueError(f"{self.directory}: sessions saved in format {data.get('version')!r}, "
+                             f"this server reads {self._FILE_VERSION}")
+        now, wall = self.clock(), time.time()
+        with self._lock:
+            for r in data["sessions"]:
+                # Idle time spans the downtime: a session expires `ttl` after its last use.
+                s = Session(id=r["id"], owner=r["owner"], rng=int(r["rng"]), created=float(r["created"]),
+                            used_at=now - max(0.0, wall - float(r["used_wall"])), messages=list(r["messages"]),
+                            usage={k: int(v) for k, v in r["usage"].items()}, turns=int(r["turns"]))
+                self._sessions[s.id] = s
+        self.expire()
+
+
+class SessionTurn:
+    """One request's hold on a session: an existing session is claimed (one turn at a time,
+    409 otherwise) and released when the response ends; a new one is created only once the
+    request is accepted, and deleted again if it fails before its first turn."""
+
+    def __init__(self, store: SessionStore, key: str | None, session_id: str | None, history: list | None,
+                 seed: int | None, new: bool):
+        self.store, self.key, self.id, self.history, self.seed, self.new = store, key, session_id, history, seed, new
+        self.completed = False
+
+    @classmethod
+    def open(cls, store: SessionStore, key: str | None, sess: Any) -> SessionTurn:
+        if sess in (None, False):
+            return cls(store, key, None, None, None, False)
+        if sess is True or sess == "new":
+            return cls(store, key, None, [], secrets.randbits(32), True)
+        if not isinstance(sess, str):
+            raise ApiError(400, "'session' must be true, \"new\" or a session id", param="session")
+        try:
+            snap = store.claim(sess, key)
+        except SessionBusy:
+            raise ApiError(409, f"session '{sess}' has a turn in progress; send the next turn after it ends",
+                           type="invalid_request_error", param="session", code="session_busy") from None
+        if snap is None:
+            raise ApiError(404, f"session '{sess}' does not exist (or expired)", param="session", code="session_not_found")
+        history, seed = snap
+        return cls(store, key, sess, history, seed, False)
+
+    def accepted(self) -> None:
+        """The request passed validation and admission checks: a new session exists from now."""
+        if self.new:
+            self.id = self.store.create(self.key, rng=self.seed, claimed=True).id
+
+    def close(self) -> None:
+        if self.id is None:
+            return
+        if self.new and not self.completed:
+            self.store.delete(self.id, self.key)
+        else:
+            self.store.release(self.id)

@@ -33,6 +33,7 @@ class Limits:
     prefix_cache_ttl_seconds: float = 600.0
     prefix_cache_min_tokens: int = 16
     session_ttl_seconds: float = 1800.0
+    session_dir: str = ""  # sessions are saved here on a graceful stop and read back at start ("": kept in memory only)
     max_messages: int = 1024  # messages of one conversation (history included)
     max_tools: int = 128  # tools of one request
     max_schema_bytes: int = 65536  # tools plus response_format, as JSON: each compiles into a grammar
@@ -90,6 +91,9 @@ class EngineShape:
     # Speculative decoding: prompt-lookup drafts verified per sequence and round (0 = off);
     # a request's `drafts` may ask for fewer.
     max_drafts: int | None = None
+    # The research samplers (typical-p, epsilon, eta, top-nσ, DRY, XTC, mirostat) as request
+    # fields: per-slot state rows and a costlier sampler in every round.
+    extra_samplers: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -132,7 +136,7 @@ class EngineShape:
         resolved = self.backend if self.backend != "auto" else backend or _default_backend()
         return derive_engine(
             slots=self.n_slots, context=self.n_context, kv_mib=self.kv_mib, backend=resolved,
-            kv_bytes_per_position=kv_bytes_per_position or 1, **self.overrides(),
+            kv_bytes_per_position=kv_bytes_per_position or 1, extra_samplers=self.extra_samplers, **self.overrides(),
         )
 
 
@@ -236,12 +240,14 @@ def _check_value(name: str, value: Any, kind: Any, where: str) -> None:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind in ("float", float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    elif kind in ("bool", bool):
+        ok = isinstance(value, bool)
     elif kind in ("str", str):
         ok = isinstance(value, str)
     else:  # tuple[int, ...]
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if not ok:
-        raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers')}")
+        raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers').replace('bool', 'true or false')}")
     if name == "backend" and value not in BACKENDS:
         raise ValueError(f"{label}: must be one of {', '.join(BACKENDS)}")
     if name == "tool_call_format" and value not in ("", *FORMATS):

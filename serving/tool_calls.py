@@ -50,6 +50,8 @@ from typing import Any
 import jsonschema
 import jsonschema.validators
 
+from serving.partial_match import partial_suffix
+
 FORMATS = ("hermes", "llama3", "pythonic")
 
 _OPEN = "<tool_call>"
@@ -297,14 +299,6 @@ class _Mode(enum.Enum):
     PASSTHROUGH = 5  # everything from here on is content
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 class ToolCallDecoder:
     """Turns generated text deltas into visible content and tool calls.
 
@@ -436,7 +430,7 @@ class ToolCallDecoder:
             return True
         if final:
             return self._step_passthrough(final)
-        j = len(buf) - _partial_suffix(buf, _OPEN)
+        j = len(buf) - partial_suffix(buf, _OPEN)
         while j > 0 and buf[j - 1].isspace():
             j -= 1
         self._emit_content(buf[:j])

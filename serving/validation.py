@@ -20,8 +20,12 @@ FLOAT32_MAX = 3.4028234e38  # sampler values are float32 on the device
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # what an int field may hold (seed: OpenAI allows 64 bits)
 MAX_DEPTH = 64  # JSON nesting: deeper bodies are refused before anything walks them recursively
 
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "top_k", "top_logprobs", "seed")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                # the research samplers (a server with [engine] extra_samplers)
+                "typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "dry_multiplier", "dry_base",
+                "xtc_probability", "xtc_threshold", "mirostat_tau", "mirostat_eta")
+INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "top_k", "top_logprobs", "seed",
+              "dry_allowed_length", "mirostat_mode")
 BOOL_FIELDS = ("stream", "echo", "ignore_eos", "skip_special_tokens", "add_generation_prompt", "add_special_tokens",
                "return_token_strs")
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -139,6 +143,10 @@ def check_scalars(body: Mapping[str, Any]) -> None:
         _check_type(ids, list, "stop_token_ids", "a list of token ids")
         for t in ids:
             check_int(t, "stop_token_ids")
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is not None and not (isinstance(breakers, list) and len(breakers) <= 16
+                                     and all(isinstance(b, str) and b for b in breakers)):
+        raise bad("'dry_sequence_breakers' must be a list of up to 16 non-empty strings", "dry_sequence_breakers")
     opts = body.get("stream_options")
     if opts is not None:
         _check_type(opts, dict, "stream_options", "an object")

@@ -67,6 +67,8 @@ def test_debug_hook_for_kernel_choices():
     }
     with pytest.raises(ValueError, match="JAXLLM_DEBUG_KERNELS"):
         debug_overrides("page_size=8")
+    # The same hook turns the test-only faults on (serving/faults.py); no kernel choice changes.
+    assert debug_overrides("faults=on, decode_matmul=xla") == {"decode_matmul": "xla"}
 
 
 def _imports() -> dict[str, set[str]]:

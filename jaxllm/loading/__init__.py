@@ -80,7 +80,7 @@ def load_model(
     if progress is None:
         progress = sys.stderr.isatty()
     cfg, params = _load(source, fmt, options.dtype, config_path, progress)
-    return cfg, layout_params(params, options.scan_layers)
+    return cfg, layout_params(params, options.scan_layers, consume=True)  # the loaded tree is ours alone
 
 
 def _load(

@@ -21,6 +21,7 @@ from flax import struct
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import TokenBatch
 from jaxllm.model.gated_delta import causal_conv, gated_delta_chunked, gated_delta_recurrent, gated_rms_norm
+from jaxllm.model.gated_delta_kernel import gated_delta_decode
 from jaxllm.model.layers import project
 from jaxllm.params import DeltaNetParams
 from jaxllm.state import RecurrentState
@@ -58,16 +59,23 @@ def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segme
     return decode, chunks
 
 
-def _advance(
-    qkv: jax.Array, b: jax.Array, a: jax.Array, p: DeltaNetParams, conv0: jax.Array, delta0: jax.Array,
-    seg: Segments, cfg: ModelConfig, *, chunked: bool, snapshots: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Advances the sequences of `seg` over their tokens.
+@struct.dataclass
+class _RuleInputs:
+    """A segment batch's inputs to the delta rule, after the conv (float32)."""
 
-    Returns: (core output [R, Tw, Hv, Dv], new conv windows, new delta matrices); with
-    `snapshots` the states after each token instead ([R, Tw, ...]: index j holds the state
-    after j + 1 tokens), for speculative verification to keep the one at the accepted length.
-    """
+    q: jax.Array  # [R, Tw, Hv, Dk] (key heads repeated to the value heads)
+    k: jax.Array  # [R, Tw, Hv, Dk]
+    v: jax.Array  # [R, Tw, Hv, Dv]
+    decay: jax.Array  # [R, Tw, Hv] log decay, 0 at padding
+    beta: jax.Array  # [R, Tw, Hv], 0 at padding
+
+
+def _rule_inputs(
+    qkv: jax.Array, b: jax.Array, a: jax.Array, p: DeltaNetParams, conv0: jax.Array, seg: Segments, cfg: ModelConfig,
+    *, snapshots: bool = False,
+) -> tuple[_RuleInputs, jax.Array]:
+    """The conv over the segments' tokens and the delta rule's inputs: (inputs, new conv
+    windows), with `snapshots` the windows after each token ([R, Tw, Kc-1, C])."""
     Hk, Hv, Dk = cfg.linear_n_k_heads, cfg.linear_n_v_heads, cfg.linear_k_dim
     x = qkv[seg.rows].astype(jnp.float32)  # [R, Tw, C]
     y, conv = causal_conv(x, conv0, p.conv.astype(jnp.float32), seg.lengths)
@@ -88,19 +96,29 @@ def _advance(
     # Padding positions must leave the delta-rule matrix as it is.
     beta = jnp.where(seg.valid[..., None], beta, 0.0)
     decay = jnp.where(seg.valid[..., None], decay, 0.0)
+    return _RuleInputs(q=q, k=k, v=v, decay=decay, beta=beta), conv
+
+
+def _advance(
+    x: _RuleInputs, delta0: jax.Array, *, chunked: bool, snapshots: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the delta rule over the segments' tokens from their matrices `delta0`.
+
+    Returns: (core output [R, Tw, Hv, Dv], new delta matrices); with `snapshots` the matrices
+    after each token instead ([R, Tw, ...]: index j holds the state after j + 1 tokens), for
+    speculative verification to keep the one at the accepted length.
+    """
     if snapshots:  # token by token, keeping every state (verification segments are short)
         outs, deltas, delta = [], [], delta0
-        for j in range(Tw):
+        for j in range(x.q.shape[1]):
             s = slice(j, j + 1)
-            out_j, delta = gated_delta_recurrent(q[:, s], k[:, s], v[:, s], decay[:, s], beta[:, s], delta)
+            out_j, delta = gated_delta_recurrent(x.q[:, s], x.k[:, s], x.v[:, s], x.decay[:, s], x.beta[:, s], delta)
             outs.append(out_j)
             deltas.append(delta)
-        return jnp.concatenate(outs, axis=1), conv, jnp.stack(deltas, axis=1)
+        return jnp.concatenate(outs, axis=1), jnp.stack(deltas, axis=1)
     if chunked:
-        out, delta = gated_delta_chunked(q, k, v, decay, beta, delta0, chunk=_DELTA_CHUNK)
-    else:
-        out, delta = gated_delta_recurrent(q, k, v, decay, beta, delta0)
-    return out, conv, delta
+        return gated_delta_chunked(x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK)
+    return gated_delta_recurrent(x.q, x.k, x.v, x.decay, x.beta, delta0)
 
 
 def delta_mixer(
@@ -113,7 +131,9 @@ def delta_mixer(
     cfg: ModelConfig,
     *,
     snapshots: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    pool: jax.Array | None = None,
+    kernel: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """One DeltaNet layer over the round.
 
     Args:
@@ -121,12 +141,17 @@ def delta_mixer(
       p: this layer's params.
       recurrent: the whole state; `layer_index` counts linear-attention layers only.
       decode, chunks: from `round_segments`.
+      pool: with `kernel` ("pallas" / "interpret"), every layer's delta matrices [Ll, S, Hv,
+        Dk, Dv] as the layer scan carries them: decode rows are advanced in it in place by
+        `gated_delta_decode` (their state is read once and written once), and chunk
+        segments read their matrices from it. Without, both read `recurrent.delta`.
 
     Returns:
-      ([T, D] output, new conv windows [R, Kc-1, C], new delta matrices [R, Hv, Dk, Dv]) with
-      R = decode sequences + chunk segments, in that order (targets: `decode.targets`, then
-      `chunks.targets`). With `snapshots` (rounds without decode rows: verification), the
-      segments' states after each of their tokens, [R, Tw, ...].
+      ([T, D] output, new conv windows [R, Kc-1, C], new delta matrices [R', Hv, Dk, Dv] or
+      None, the pool or None). R = decode sequences + chunk segments, in that order (targets:
+      `decode.targets`, then `chunks.targets`); R' the same, or the chunk segments alone when
+      the kernel advanced the decode rows in the pool. With `snapshots` (rounds without decode
+      rows: verification), the segments' states after each of their tokens, [R, Tw, ...].
     """
     if snapshots and decode.slots.shape[0]:
         raise ValueError("snapshots are for rounds of segments only (no decode rows)")
@@ -134,17 +159,28 @@ def delta_mixer(
     qkv = project(h, p.w_qkv)  # [T, C]
     z = project(h, p.w_z)  # [T, Hv, Dv]
     b, a = project(h, p.w_b), project(h, p.w_a)  # [T, Hv]
-    conv_all, delta_all = recurrent.conv[layer_index], recurrent.delta[layer_index]
+    conv_all = recurrent.conv[layer_index]
+    matrices = recurrent.delta if pool is None else pool
+    segs = [(seg, chunked) for seg, chunked in ((decode, False), (chunks, True)) if seg is not None and seg.slots.shape[0]]
+    # Every segment reads its matrices before the decode kernel writes the pool (a slot never
+    # decodes and prefills in one round, so the reads and the writes touch different rows).
+    delta0 = [None if kernel is not None and not chunked else matrices[layer_index, seg.slots] for seg, chunked in segs]
     core = jnp.zeros((T, cfg.linear_n_v_heads, cfg.linear_v_dim), jnp.float32)
     convs, deltas = [], []
-    for seg, chunked in ((decode, False), (chunks, True)):
-        if seg is None or not seg.slots.shape[0]:
-            continue
-        out, conv, delta = _advance(qkv, b, a, p, conv_all[seg.slots], delta_all[seg.slots], seg, cfg, chunked=chunked,
-                                    snapshots=snapshots)
+    for (seg, chunked), d0 in zip(segs, delta0):
+        inputs, conv = _rule_inputs(qkv, b, a, p, conv_all[seg.slots], seg, cfg, snapshots=snapshots)
+        if d0 is None:
+            out, pool = gated_delta_decode(
+                inputs.q[:, 0], inputs.k[:, 0], inputs.v[:, 0], inputs.decay[:, 0], inputs.beta[:, 0], pool,
+                seg.slots, layer=layer_index, live=seg.lengths > 0, qk_l2norm=True, interpret=kernel == "interpret",
+            )
+            out = out[:, None]
+        else:
+            out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots)
+            deltas.append(delta)
         rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
         core = core.at[rows].set(out, mode="drop")
         convs.append(conv)
-        deltas.append(delta)
     normed = gated_rms_norm(core, z, p.norm, cfg.rms_eps).astype(h.dtype)
-    return project(normed, p.w_out, 2), jnp.concatenate(convs), jnp.concatenate(deltas)
+    new_deltas = jnp.concatenate(deltas) if deltas else None
+    return project(normed, p.w_out, 2), jnp.concatenate(convs), new_deltas, pool

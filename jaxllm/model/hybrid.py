@@ -20,6 +20,7 @@ from jaxllm.config import LINEAR_ATTENTION, ModelConfig
 from jaxllm.model.delta_mixer import Segments, delta_mixer, round_segments
 from jaxllm.model.forward import DecodeLookups, TokenBatch, _after, write_kv
 from jaxllm.model.gated_attention import gated_attention
+from jaxllm.model.kernel_choice import decode_delta_kernel
 from jaxllm.model.layers import dense_mlp, moe_mlp, rms_norm
 from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params
 from jaxllm.state import KVCache, RecurrentState
@@ -77,6 +78,12 @@ def hybrid_forward(
     groups = cfg.n_layers // cfg.layer_period
     n_lin = sum(t == LINEAR_ATTENTION for t in pattern)
     n_full = len(pattern) - n_lin
+    # Decode rows of DeltaNet layers advance in place in the state pool, which the layer scan
+    # carries (a kernel that updates it needs it as a value, not as a constant of the body).
+    delta_kernel = None
+    if recurrent is not None and n_lin and W and not snapshots:
+        delta_kernel = decode_delta_kernel(opts)
+    pool = recurrent.delta if delta_kernel is not None else None
 
     def block(x, lp: HybridBlockParams, mix):
         h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
@@ -86,21 +93,23 @@ def hybrid_forward(
         out, experts = block_mlp(h, lp.mlp, cfg, valid)
         return x + out, state, experts
 
-    def body(x, xs):
-        lin, full, g = xs
+    def group(x, pool, lin_block, full_block, g):
+        """The `layer_period` layers of group `g`; `lin_block(i)` / `full_block(i)` give its
+        i-th block of each kind."""
         new_conv, new_delta, ks, vs, experts = [], [], [], [], []
         i_lin = i_full = 0
         for kind in pattern:
             if kind == LINEAR_ATTENTION:
-                lp = jax.tree.map(lambda w, i=i_lin: w[i], lin)
+                lp = lin_block(i_lin)
                 index = g * n_lin + i_lin
-                x, (conv, delta), e = block(x, lp, lambda h: delta_mixer(h, lp.mixer, recurrent, index, decode, chunks, cfg,
-                                                                     snapshots=snapshots))
+                x, (conv, delta, pool), e = block(x, lp, lambda h, pool=pool: delta_mixer(
+                    h, lp.mixer, recurrent, index, decode, chunks, cfg, snapshots=snapshots, pool=pool, kernel=delta_kernel))
                 new_conv.append(conv)
-                new_delta.append(delta)
+                if delta is not None:
+                    new_delta.append(delta)
                 i_lin += 1
             else:
-                lp = jax.tree.map(lambda w, i=i_full: w[i], full)
+                lp = full_block(i_full)
                 index = g * n_full + i_full
                 table = _after(page_table, x)  # read this layer's context only once its input exists
                 x, (k, v), e = block(x, lp, lambda h: gated_attention(
@@ -111,14 +120,29 @@ def hybrid_forward(
                 i_full += 1
             experts.append(e)
         stack = lambda xs: jnp.stack(xs) if xs else None  # noqa: E731
-        return x, (stack(new_conv), stack(new_delta), jnp.stack(ks), jnp.stack(vs), jnp.stack(experts))
+        return (x, pool), (stack(new_conv), stack(new_delta), jnp.stack(ks), jnp.stack(vs), jnp.stack(experts))
 
-    xs = (
-        None if layers.linear is None else _group_stack(layers.linear, groups),
-        _group_stack(layers.full, groups),
-        jnp.arange(groups),
-    )
-    x, (conv, delta, k_new, v_new, experts) = jax.lax.scan(body, x, xs)
+    if isinstance(layers.full, tuple):
+        # Unrolled (the GPU layout): every block's weights are their own buffers, so a kernel
+        # (the MoE experts') takes them as they lie; a slice of a stacked weight inside the
+        # step would be copied before each custom call.
+        outs = []
+        for g in range(groups):
+            (x, pool), out = group(x, pool, lambda i, g=g: layers.linear[g * n_lin + i],
+                                   lambda i, g=g: layers.full[g * n_full + i], g)
+            outs.append(out)
+        conv, delta, k_new, v_new, experts = (None if o[0] is None else jnp.stack(o) for o in zip(*outs))
+    else:
+        def body(carry, xs):
+            lin, full, g = xs
+            return group(*carry, lambda i: jax.tree.map(lambda w: w[i], lin), lambda i: jax.tree.map(lambda w: w[i], full), g)
+
+        xs = (
+            None if layers.linear is None else _group_stack(layers.linear, groups),
+            _group_stack(layers.full, groups),
+            jnp.arange(groups),
+        )
+        (x, pool), (conv, delta, k_new, v_new, experts) = jax.lax.scan(body, (x, pool), xs)
     hidden = rms_norm(x, params.final_norm, cfg.rms_eps)
 
     # [groups, per-group, ...] -> one axis in layer order (within a kind, for states and K/V)
@@ -130,10 +154,12 @@ def hybrid_forward(
         return hidden, kv, StateSnapshots(targets=_targets(decode, chunks), conv=flat(conv), delta=flat(delta)), flat(experts)
     if recurrent is not None and conv is not None:
         targets = _after(_targets(decode, chunks), hidden)
-        recurrent = RecurrentState(
-            conv=recurrent.conv.at[:, targets].set(flat(conv).astype(recurrent.conv.dtype)),
-            delta=recurrent.delta.at[:, targets].set(flat(delta)),
-        )
+        matrices = recurrent.delta if pool is None else pool
+        if delta is not None:  # with the kernel, only chunk segments' matrices are rows to write
+            rows_of = targets if pool is None else _after(chunks.targets, hidden)
+            matrices = matrices.at[:, rows_of].set(flat(delta))
+        recurrent = RecurrentState(conv=recurrent.conv.at[:, targets].set(flat(conv).astype(recurrent.conv.dtype)),
+                                   delta=matrices)
     return hidden, kv, recurrent, flat(experts)
 
 

@@ -18,7 +18,9 @@ from jaxllm.runtime_options import RuntimeOptions
 # The one debug hook for kernel choices: RuntimeOptions fields forced for A/B runs and bug hunts,
 # e.g. JAXLLM_DEBUG_KERNELS="decode_attention=reference,decode_matmul=xla".
 DEBUG_ENV = "JAXLLM_DEBUG_KERNELS"
-_DEBUG_FIELDS = ("decode_attention", "decode_matmul", "decode_norm", "sampler_branches")
+_DEBUG_FIELDS = ("decode_attention", "decode_matmul", "decode_norm", "decode_delta", "sampler_branches")
+# Items of the same hook read elsewhere: "faults=on" injects test faults (serving/faults.py).
+_OTHER_ITEMS = ("faults",)
 
 
 def debug_overrides(text: str | None = None) -> dict[str, str]:
@@ -28,6 +30,8 @@ def debug_overrides(text: str | None = None) -> dict[str, str]:
     out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
+        if name.strip() in _OTHER_ITEMS:
+            continue
         if not sep or name.strip() not in _DEBUG_FIELDS:
             raise ValueError(f"{DEBUG_ENV}: expected name=value with name in {', '.join(_DEBUG_FIELDS)}, got {item!r}")
         out[name.strip()] = value.strip()
@@ -78,6 +82,14 @@ def decode_attention_kernel(opts: RuntimeOptions) -> str | None:
         # The C++ kernel reads float32 pools only.
         return "cpu" if opts.kv_dtype == "auto" and paged_decode_cpu.available(opts.dtype) else None
     return "interpret" if opts.decode_attention == "interpret" else None
+
+
+def decode_delta_kernel(opts: RuntimeOptions) -> str | None:
+    """Which kernel advances decode rows of Gated DeltaNet layers (see RuntimeOptions.decode_delta):
+    "pallas", "interpret" (Pallas in its interpreter), or None for the jnp recurrence."""
+    if opts.decode_delta == "auto":
+        return "pallas" if kernels_available(opts.dtype) else None
+    return "interpret" if opts.decode_delta == "interpret" else None
 
 
 def fp8_loads_compile() -> bool:

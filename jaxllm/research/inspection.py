@@ -4,9 +4,13 @@ weights of a layer, the experts MoE layers route each token to.
 The serving forward (`jaxllm.model.forward`) never materialises attention weights or keeps
 per-layer states, so this is a separate plain forward over one prompt built from the same
 layer functions (RMSNorm, RoPE, projections, MLPs); its final logits are tested equal to
-`Model.logits`, the paged path. Attention-only families (llama, qwen2, qwen3, qwen3_moe).
+`Model.logits`, the paged path. Attention-only families (llama, qwen2, qwen3, qwen3_moe) and
+the hybrid family (Qwen3-Next, Qwen3.5; `jaxllm.research.hybrid_trace`), whose Gated DeltaNet
+layers have no attention weights: for them the trace holds the norm of each head's recurrent
+(delta-rule) state after every token instead.
 
-Axes: L layers, T prompt tokens, H query heads, D model width, k experts per token.
+Axes: L layers, T prompt tokens, H query heads, Hv DeltaNet value heads, D model width, k
+experts per token.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import LINEAR_ATTENTION, ModelConfig
 from jaxllm.model.forward import lm_head
 from jaxllm.model.layers import apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.params import LayerParams, MoeParams, Params
+from jaxllm.research.hybrid_trace import causal_attention, hybrid_trace, router_choice
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,10 +36,25 @@ class Trace:
 
     tokens: list[str]  # [T] pieces
     residual: np.ndarray  # [L + 1, T, D] the stream after the embedding and after each block
-    attention: np.ndarray  # [L, H, T, T] attention weights (query t over keys s <= t)
+    attention: np.ndarray  # [len(attention_layers), H, T, T] attention weights (query t over keys s <= t)
     router_experts: np.ndarray | None  # [L, T, k] chosen experts (MoE models)
     router_weights: np.ndarray | None  # [L, T, k] their weights
     logits: np.ndarray  # [T, V] the model's output logits
+    attention_layers: tuple[int, ...] = ()  # the layers `attention` rows belong to (all, unless hybrid)
+    # Hybrid models: [len(recurrent_layers), T, Hv] Frobenius norm of each DeltaNet head's
+    # state after each token (those layers' stand-in for attention weights).
+    recurrent_norms: np.ndarray | None = None
+    recurrent_layers: tuple[int, ...] = ()
+
+    def attention_of(self, layer: int) -> np.ndarray:
+        """[H, T, T] attention weights of model layer `layer`.
+
+        Raises:
+          ValueError: the layer is a linear-attention (DeltaNet) layer: see `recurrent_norms`.
+        """
+        if layer not in self.attention_layers:
+            raise ValueError(f"layer {layer} has no attention weights (a linear-attention layer: see recurrent_norms)")
+        return self.attention[self.attention_layers.index(layer)]
 
     @property
     def hidden_norms(self) -> np.ndarray:
@@ -58,23 +78,14 @@ def _block(x: jax.Array, lp: LayerParams, cfg: ModelConfig, positions: jax.Array
         q, k = rms_norm(q, a.q_norm, cfg.rms_eps), rms_norm(k, a.k_norm, cfg.rms_eps)
     inv_freq = rope_inv_freq(cfg)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    group = H // K  # query head h reads kv head h // group
-    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
     T = x.shape[0]
-    scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
-    scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    attn = jnp.einsum("hts,shd->thd", weights.astype(v.dtype), v)
+    attn, weights = causal_attention(q, k, v, cfg)
     x = x + project(attn, a.wo, 2)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_eps)
     router = None
     if isinstance(lp.mlp, MoeParams):
         out, _ = moe_mlp(h, lp.mlp, cfg, jnp.ones((T,), bool))
-        probs = jax.nn.softmax(jnp.einsum("td,de->te", h, lp.mlp.router).astype(jnp.float32), axis=-1)
-        top_w, top_e = jax.lax.top_k(probs, cfg.n_experts_per_token)
-        if cfg.norm_topk_prob:
-            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        router = (top_e, top_w)
+        router = router_choice(h, lp.mlp, cfg)
     else:
         out = dense_mlp(h, lp.mlp)
     return x + out, weights, router
@@ -103,13 +114,19 @@ def _trace(params: Params, cfg: ModelConfig, ids: jax.Array):
 def trace(model, ids: Sequence[int]) -> Trace:
     """Runs one prompt (token ids) through the plain forward and keeps everything."""
     cfg = model.cfg
+    tokens = jnp.asarray(list(ids), jnp.int32)
+    norms, linear = None, ()
     if cfg.is_hybrid:
-        raise NotImplementedError("inspection covers attention-only families; this model has linear-attention layers")
-    residual, attention, experts, logits = jax.device_get(_trace(model.params, cfg, jnp.asarray(list(ids), jnp.int32)))
+        residual, attention, norms, experts, logits = jax.device_get(hybrid_trace(model.params, cfg, tokens))
+        linear = tuple(i for i, kind in enumerate(cfg.layer_types) if kind == LINEAR_ATTENTION)
+    else:
+        residual, attention, experts, logits = jax.device_get(_trace(model.params, cfg, tokens))
     pieces = [model.tokenizer.decode([int(t)], skip_special_tokens=False) for t in ids]
     return Trace(tokens=pieces, residual=np.asarray(residual, np.float32), attention=np.asarray(attention),
                  router_experts=None if experts is None else np.asarray(experts[0]),
-                 router_weights=None if experts is None else np.asarray(experts[1]), logits=np.asarray(logits))
+                 router_weights=None if experts is None else np.asarray(experts[1]), logits=np.asarray(logits),
+                 attention_layers=tuple(i for i in range(cfg.n_layers) if i not in linear),
+                 recurrent_norms=None if norms is None else np.asarray(norms), recurrent_layers=linear)
 
 
 @functools.partial(jax.jit, static_argnames=("top",))
@@ -142,7 +159,7 @@ def plot_attention(t: Trace, layer: int, head: int | None = None, ax=None):
     """Heatmap of one layer's attention (one head, or the mean over heads); returns the Axes."""
     import matplotlib.pyplot as plt
 
-    w = t.attention[layer].mean(0) if head is None else t.attention[layer, head]
+    w = t.attention_of(layer).mean(0) if head is None else t.attention_of(layer)[head]
     if ax is None:
         _, ax = plt.subplots(figsize=(5, 5))
     ax.imshow(w, cmap="viridis")

@@ -134,3 +134,23 @@ def test_moe_step_reports_tokens_per_expert(tiny_models):
     assert counts.shape == (cfg.n_layers, cfg.n_experts)
     np.testing.assert_array_equal(counts.sum(axis=1), cfg.n_experts_per_token * fed)
     assert (counts > 0).sum() > cfg.n_experts_per_token  # routing spreads over experts
+
+
+def test_moe_round_reports_distinct_experts_per_step(tiny_models):
+    """A decode step of one sequence touches exactly top-k experts in every layer; a step of
+    several touches between top-k and min(E, width * top-k), and the figure is per step."""
+    cfg, params = load_model(tiny_models["qwen3_moe"], progress=False)
+    k = cfg.n_experts_per_token
+    engine = _engine(cfg, params, decode_steps_per_call=3)
+    one = _run_alone(engine, PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # The last round decoded `one` alone (steps past its max_tokens route nothing: 0).
+    assert len(one.generated) == 4 and {d for d in engine.last_distinct_experts if d} == {k}
+    prompts = (PROMPT, PROMPT[2:], [7, 8, 9])
+    seqs = [engine.add(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in prompts]
+    steps = []
+    while any(s.finish_reason is None for s in seqs):
+        decoding_only = all(s.prefilled >= len(s.prompt) for s in seqs)  # before the round: no prompt rows in it
+        engine.step()
+        steps += [d for d in engine.last_distinct_experts if d] if decoding_only else []
+    assert steps and all(k <= d <= min(cfg.n_experts, 3 * k) for d in steps)
+    assert max(steps) > k  # three different sequences do not share every expert

@@ -159,26 +159,43 @@ def test_draws_follow_the_models_own_distribution(model, params):
     assert [s.completion.token_ids[0] for s in firsts] == tokens[:8].tolist()
 
 
-@pytest.mark.parametrize("concurrent", [8, 32])
-def test_same_prompt_and_seed_give_the_same_tokens_whatever_the_batch(model, concurrent):
+def _prefix_checkpoint(model, row):
+    """The state of all of `row`'s prompt but its last token: what a prefix-cache hit restores."""
+    ids, params = row
+    engine = research_engine(model, 8, 48, logits_processors=PROCS)
+    seq = engine.add(ids, dataclasses.replace(params, max_tokens=1))
+    while seq.prefilled < len(ids):
+        engine.step()
+    return engine.extract(seq, len(ids) - 1)
+
+
+@pytest.mark.parametrize("concurrent,drafts", [(8, 0), (32, 2)])
+def test_same_prompt_and_seed_give_the_same_tokens_whatever_the_batch(model, concurrent, drafts):
     """Each target (a server sampler; stateful research ones) alone (1 concurrent) gives the
     tokens it gives among `concurrent` rows of mixed neighbours: other samplers, lengths,
-    seeds and budgets (finished neighbours free slots that later rows take)."""
+    seeds and budgets (finished neighbours free slots that later rows take), drafting
+    neighbours (`drafts`: prompt-lookup drafts verified in the same rounds; the targets then
+    draft too) and resumed from a prefix checkpoint (a prefix-cache hit)."""
     targets = [([5, 9, 14, 3], SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True)),
                ([8, 8, 2], SamplingParams(temperature=1.0, mirostat_tau=2.5, dry_multiplier=0.5, seed=7, max_tokens=10,
                                           ignore_eos=True))]
     alone = [run_rows(model, research_engine(model, 8, 48, logits_processors=PROCS), [t])[0].completion.token_ids for t in targets]
+    resumed = [(*t, _prefix_checkpoint(model, t)) for t in targets]
     rng = np.random.default_rng(concurrent)
     names = list(SAMPLERS)
     neighbours = [(rng.integers(1, V, int(rng.integers(1, 30))).tolist(),
                    dataclasses.replace(SAMPLERS[names[i % len(names)]], seed=int(rng.integers(0, 1000)),
                                        max_tokens=int(rng.integers(1, 14))))
-                  for i in range(concurrent + 4 - len(targets))]
-    rows = neighbours[: len(neighbours) // 2] + targets + neighbours[len(neighbours) // 2 :]
-    engine = research_engine(model, concurrent, 48, logits_processors=PROCS)
+                  for i in range(concurrent + 4 - 2 * len(targets))]
+    half = len(neighbours) // 2
+    rows = neighbours[:half] + targets + resumed + neighbours[half:]
+    engine = research_engine(model, concurrent, 48, logits_processors=PROCS, max_drafts=drafts)
+    # Drafts in every round (the last token again, sometimes right), so verification rounds
+    # carry the targets and their neighbours whatever the text.
+    engine.draft_source = lambda tokens, k: [tokens[-1]] * k
     out = run_rows(model, engine, rows)
-    at = len(neighbours) // 2
-    assert [out[at].completion.token_ids, out[at + 1].completion.token_ids] == alone
+    assert [out[half + i].completion.token_ids for i in range(4)] == alone + alone
+    assert (engine.draft_stats.proposed.sum() > 0) == (drafts > 0)
 
 
 def test_task_checkers_score_right_and_wrong_answers():

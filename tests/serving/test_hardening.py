@@ -206,9 +206,16 @@ def test_malformed_input_is_a_400_naming_the_field(http, path, raw, param):
     assert r.json()["error"]["message"]
 
 
-def test_n_that_can_never_be_admitted_names_n(server, client, http):
+def test_n_over_the_slots_is_a_400_naming_n(server, client, http):
+    # More choices than sequence slots can never be admitted, however idle the server: the
+    # client must change the request (400), not retry it later (503).
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2, "n": 5})
-    assert r.status_code == 503 and r.headers["x-should-retry"] == "false" and r.json()["error"]["param"] == "n"
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["type"] == "invalid_request_error" and "n <= 4" in err["message"]
+    with pytest.raises(openai.BadRequestError, match="n <= 4"):
+        client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, n=5)
+    assert len(client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, n=4).choices) == 4
     still_serves(server, client)
 
 

@@ -87,6 +87,27 @@ def test_stream_equals_non_stream(client, server):
     assert chunks[-1].usage.completion_tokens == 24
 
 
+def test_metrics_count_the_distinct_experts_of_each_step(client, server):
+    """/metrics: a histogram of each step's distinct routed experts (mean over layers); a
+    lone decoding request touches exactly top-k (2 of the tiny model's experts) a step."""
+
+    def histogram() -> dict[str, float]:
+        text = requests.get(server["base"] + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
+        rows = [line.split() for line in text.splitlines() if line.startswith("jaxllm_moe_distinct_experts_")]
+        return {name: float(value) for name, value in rows}
+
+    _wait_idle(server)
+    before = histogram()
+    client.completions.create(model="m", prompt="Tell me a long story about one robot and seven lighthouses", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    after = histogram()
+    steps = after["jaxllm_moe_distinct_experts_count"] - before["jaxllm_moe_distinct_experts_count"]
+    total = after["jaxllm_moe_distinct_experts_sum"] - before["jaxllm_moe_distinct_experts_sum"]
+    assert steps >= 5  # the prompt round, then the decode steps
+    at_most_k = 'jaxllm_moe_distinct_experts_bucket{le="2.0"}'
+    assert after[at_most_k] - before[at_most_k] >= steps - 1  # every decode step: top-2 exactly
+    assert total > 2 * (steps - 1)  # the prompt round spreads over more experts
+
+
 def test_exact_repeat_is_served_from_the_cache(client, server):
     prompt = "The lighthouse keeper counted the ships: one, two, three,"
     first = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
@@ -128,3 +149,16 @@ def test_drafts_leave_the_text_unchanged(client, server):
     assert models["speculative"] == {"draft_source": "prompt_lookup", "max_drafts": 3}
     with pytest.raises(openai.BadRequestError, match="drafts"):
         client.completions.create(model="m", prompt="x", max_tokens=2, extra_body={"drafts": 9})
+
+
+def test_n_forks_the_recurrent_state_after_one_prefill(client, server):
+    """n = 2 on a hybrid model: the prompt runs once and choice 1 starts from the recurrent
+    state of prompt[:-1]; each choice i equals a single request seeded 5 + i."""
+    kw = dict(model="m", prompt="Name a colour, a fruit and a river:", max_tokens=8, temperature=1.0,
+              extra_body={"ignore_eos": True, "drafts": 0})
+    before = _wait_idle(server)["requests"]["prefilled_tokens"]
+    both = client.completions.create(n=2, seed=5, **kw)
+    assert _wait_idle(server)["requests"]["prefilled_tokens"] - before == both.usage.prompt_tokens + 1
+    texts = [c.text for c in sorted(both.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1]
+    assert texts == [client.completions.create(n=1, seed=5 + i, **kw).choices[0].text for i in range(2)]

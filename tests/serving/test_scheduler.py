@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from jaxllm.engine import PromptAdvance, RoundPlan
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
 from serving.metrics import Metrics
@@ -34,6 +35,7 @@ class FakeSeq:
     prefilled: int = 0
     generated: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    extract_at: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -54,7 +56,9 @@ class FakeEngine:
         self.token_offset: dict[int, int] = {}  # seq id -> shift of its tokens
 
     max_context = 1000
-    config = SimpleNamespace(decode_steps_per_call=1)
+    draft_stats = None
+    expert_tokens = None
+    last_distinct_experts = ()
 
     def pages_needed(self, n: int) -> int:
         return -(-n // self.layout.page_size)
@@ -65,7 +69,8 @@ class FakeEngine:
     def add(self, prompt, params, *, checkpoint=None, cached_tokens=0, stops=()):
         slot = self.free_slots.pop(0)
         pages = [self.free_pages.pop() for _ in range(self.pages_needed(len(prompt) + params.max_tokens))]
-        seq = FakeSeq(self.next_id, slot, list(prompt), params, pages, prefilled=cached_tokens if checkpoint else 0)
+        seq = FakeSeq(self.next_id, slot, list(prompt), params, pages, prefilled=cached_tokens if checkpoint else 0,
+                      extract_at=sorted({b for b in stops if 0 < b < len(prompt)}))
         self.next_id += 1
         self.seqs[slot] = seq
         self.added.append(list(prompt))
@@ -79,6 +84,11 @@ class FakeEngine:
 
     def extract(self, seq, n):
         return SimpleNamespace(nbytes=lambda: 10, n=n)
+
+    def reset(self):
+        self.resets = getattr(self, "resets", 0) + 1
+        for seq in list(self.seqs.values()):
+            self.remove(seq)
 
     def can_extract(self, seq, n):
         return 0 < n <= min(seq.prefilled, len(seq.prompt))
@@ -97,14 +107,19 @@ class FakeEngine:
         prefilling = [s for s in self.seqs.values() if s.prefilled < len(s.prompt)]
         if not decoding and not prefilling:
             return None
-        n = 0
+        prompts = []
+        drawing = list(decoding)
         if prefilling:
             s = min(prefilling, key=lambda s: s.id)
-            n = min(prefill_budget or 8, len(s.prompt) - s.prefilled)
-            s.prefilled += n
-            if s.prefilled == len(s.prompt):
-                decoding.append(s)
-        return SimpleNamespace(prefill_tokens=n, decoding=decoding, multi=False)
+            start = s.prefilled
+            s.prefilled += min(prefill_budget or 8, len(s.prompt) - start)
+            ends = s.prefilled == len(s.prompt)
+            prompts.append(PromptAdvance(s.id, start, s.prefilled, tuple(b for b in s.extract_at if start < b <= s.prefilled),
+                                         ends))
+            if ends:
+                drawing.append(s)
+        plan = RoundPlan(prompts=tuple(prompts), decoding=tuple(s.id for s in decoding))
+        return SimpleNamespace(plan=plan, decoding=drawing)
 
     def collect(self, handle):
         events = []
@@ -309,10 +324,34 @@ def test_failing_round_fails_only_its_requests(loop):
     engine.fail_next = True
     sched.run_once()
     assert any(isinstance(f, Error) and f.status == 500 for f in frames(loop, a))
+    assert engine.resets == 1  # the donated device state may be gone: the engine starts a fresh one
     b = job(sched, loop, "b")
     run_until_idle(sched)
     assert isinstance(frames(loop, b)[-1], Done)
     assert sched.reserved == 0 and not engine.seqs
+
+
+def test_a_round_launched_before_a_failure_is_not_read(loop):
+    # Round N+1 is launched before round N is collected; when N fails, N+1 ran on the state N
+    # lost, so it is dropped unread, and a request admitted after the failure runs normally.
+    sched, engine, _ = make(Limits())
+    a = job(sched, loop, "a", max_tokens=5)
+    sched.run_once()
+    sched.run_once()
+    collect = engine.collect
+
+    def failing(handle):
+        engine.collect = collect
+        raise RuntimeError("device error surfacing at the read")
+
+    engine.collect = failing
+    sched.run_once()
+    assert any(isinstance(f, Error) and f.status == 500 for f in frames(loop, a))
+    assert sched._in_flight is not None and sched._in_flight.epoch != sched.totals["failed_rounds"]
+    b = job(sched, loop, "b")
+    run_until_idle(sched)
+    assert isinstance(frames(loop, b)[-1], Done) and not any(isinstance(f, Error) for f in frames(loop, b))
+    assert sched.reserved == 0 and not engine.seqs and sched.totals["failed_rounds"] == 1
 
 
 def test_stop_string_is_never_leaked(loop):
@@ -461,3 +500,22 @@ def test_slots_held_by_no_request_turn_health_stuck(loop):
     engine.free_slots = list(range(4))
     sched.run_once()
     assert sched.stuck is None
+
+
+def test_n_choices_share_one_prefill(loop):
+    """n = 3: the prompt is prefilled once; choices 1 and 2 fork from choice 0's state of
+    prompt[:-1], each recomputing the last position only, and meanwhile their slots stay held."""
+    sched, engine, _ = make(Limits(prefill_quantum=4))
+    j = job(sched, loop, "n3", prompt_len=12, max_tokens=3)
+    j.prepared.params.extend([SamplingParams(max_tokens=3)] * 2)
+    sched.run_once()
+    assert len(engine.seqs) == 1 and sched.active[0].phase == "prefill"
+    two = job(sched, loop, "two", prompt_len=4, max_tokens=3)
+    two.prepared.params.append(SamplingParams(max_tokens=3))
+    sched.run_once()
+    assert [p.id for p in sched.pending] == ["two"]  # 3 slots free in the engine, 2 of them held
+    run_until_idle(sched)
+    assert sched.totals["prefilled_tokens"] == (12 + 2) + (4 + 1)
+    finishes = [f for f in frames(loop, j) if isinstance(f, Finish)]
+    assert sorted((f.index, f.text, f.reason) for f in finishes) == [(i, "<112><113><114>", "length") for i in range(3)]
+    assert sched.reserved == 0 and not engine.seqs and len(engine.free_slots) == 4

@@ -1,0 +1,131 @@
+"""Speculative decoding's acceptance-independent costs on one GPU (dummy weights).
+
+    python -m benchmarks.spec_gpu --config configs/llama3-8b.json [--drafts 3] [--cases verify,wide]
+
+* verify: batch 1, one sequence at `--context` positions. A plain decode step (one step per
+  call, and `--steps` per call) against one verification round of 1 + `--drafts` tokens
+  (drafting forced on: dummy weights accept nothing, and the per-sequence control would stop
+  drafting). Prints the verify/plain cost ratio and the speed-up that ratio gives at 60% and
+  80% acceptance per draft position (expected tokens a round: 1 + a + ... + a^k).
+  MTP models (`mtp_layers`) draft with their head; others get a constant proposal.
+* wide: `--wide` concurrent sequences decoding with `max_drafts` 0 and `--drafts` under the
+  engine's own draft control (prompt lookup, or the MTP head): output tok/s of each, so the
+  cost of drafting that does not pay shows (the issue's bound: at most 3% slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.gpu_engine import decode_seconds_per_call, engine_config, engine_for, prefill
+from jaxllm.config import load_config_json
+from jaxllm.engine import Engine
+from jaxllm.loading.dummy import dummy_params
+from jaxllm.params import layout_params
+from jaxllm.runtime_options import RuntimeOptions
+from jaxllm.speculative import DraftControl
+
+
+@dataclasses.dataclass
+class ForcedDraft(DraftControl):
+    """Always drafts `most` tokens, whatever was accepted (cost measurement only)."""
+
+    def wanted(self) -> int:
+        return self.most
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+
+
+def spec_engine(cfg, opts: RuntimeOptions, params, *, slots: int, drafts: int, steps: int, forced: bool) -> Engine:
+    """`gpu_engine.engine_for`'s engine with `max_drafts` = drafts; `forced`: a constant
+    proposal of every wanted draft for models without an MTP head."""
+    config = engine_config(cfg, opts, slots=slots, max_seq_len=2048 + 64, chunk=1024, steps=steps, max_drafts=drafts)
+    kw = {"draft_source": lambda tokens, k: [tokens[-1]] * k} if forced else {}
+    return Engine(cfg, params, eos_ids=[], config=config, options=opts, **kw)
+
+
+def rounds_per_second(eng: Engine, rounds: int) -> tuple[float, float]:
+    """(seconds per `eng.step()`, tokens emitted a round) over `rounds` synchronous rounds,
+    leaving out rounds over 4x the median (a compile of a variant first met here)."""
+    times, tokens = [], []
+    for _ in range(rounds):
+        before = sum(len(q.generated) for q in eng.seqs.values())
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+        tokens.append(sum(len(q.generated) for q in eng.seqs.values()) - before)
+    cut = 4 * statistics.median(times)
+    kept = [(t, n) for t, n in zip(times, tokens) if t <= cut]
+    return sum(t for t, _ in kept) / len(kept), sum(n for _, n in kept) / len(kept)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/llama3-8b.json")
+    ap.add_argument("--cases", default="verify,wide")
+    ap.add_argument("--drafts", type=int, default=3)
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--wide", type=int, default=64)
+    ap.add_argument("--wide-context", type=int, default=1536)
+    args = ap.parse_args()
+    cfg = load_config_json(args.config)
+    opts = RuntimeOptions(dtype="bfloat16", scan_layers=False)
+    params = layout_params(dummy_params(cfg, dtype=opts.dtype), False, consume=True)
+    jax.block_until_ready(params)
+    rng = np.random.default_rng(0)
+    k = args.drafts
+    name = args.config.rsplit("/", 1)[-1]
+
+    if "verify" in args.cases.split(","):
+        prompt = rng.integers(0, cfg.vocab_size, args.context).tolist()
+        plain = engine_for(cfg, opts, params, slots=1, max_seq_len=2048 + 64, chunk=1024, steps=1)
+        prefill(plain, [prompt], max_tokens=1000)
+        for _ in range(3):
+            plain.step()
+        plain_s, _ = rounds_per_second(plain, 20)
+        plain = engine_for(cfg, opts, params, slots=1, max_seq_len=2048 + 64, chunk=1024, steps=args.steps)
+        prefill(plain, [prompt], max_tokens=1000)
+        multi_s = decode_seconds_per_call(plain) / args.steps
+        plain = None
+        eng = spec_engine(cfg, opts, params, slots=1, drafts=k, steps=1, forced=True)
+        (seq,) = prefill(eng, [prompt], max_tokens=1000)
+        seq.drafting = ForcedDraft(most=k)
+        for _ in range(4):  # compiles the verify round
+            eng.step()
+        verify_s, emitted = rounds_per_second(eng, 20)  # emitted: tokens a round
+        ratio = verify_s / plain_s
+        gains = {a: (1 - a ** (k + 1)) / (1 - a) / ratio for a in (0.6, 0.8)}
+        print(f"VERIFY {name} batch 1: plain step {plain_s * 1e3:.2f} ms (1 step a call; {multi_s * 1e3:.2f} ms at "
+              f"{args.steps} a call), verify 1+{k} {verify_s * 1e3:.2f} ms ({emitted:.2f} tokens a round): "
+              f"{ratio:.2f}x a plain step; speed-up at 60% / 80% acceptance {gains[0.6]:.2f}x / {gains[0.8]:.2f}x "
+              f"(against {args.steps}-step calls: {gains[0.6] * multi_s / plain_s:.2f}x / {gains[0.8] * multi_s / plain_s:.2f}x)",
+              flush=True)
+        eng = None
+
+    if "wide" in args.cases.split(","):
+        prompts = [rng.integers(0, cfg.vocab_size, args.wide_context).tolist() for _ in range(args.wide)]
+        rates = {}
+        for drafts in (0, k):
+            eng = spec_engine(cfg, opts, params, slots=args.wide, drafts=drafts, steps=args.steps, forced=False)
+            prefill(eng, prompts, max_tokens=400)
+            for _ in range(10):  # compiles, and lets the draft control settle
+                eng.step()
+            s, emitted = rounds_per_second(eng, 24)
+            rates[drafts] = emitted / s
+            print(f"WIDE {name} {args.wide} concurrent, max_drafts={drafts}: {rates[drafts]:.0f} output tok/s "
+                  f"({s * 1e3:.2f} ms a round)", flush=True)
+            eng = None
+        print(f"WIDE {name}: drafting costs {(1 - rates[k] / rates[0]) * 100:.1f}% of throughput", flush=True)
+
+
+if __name__ == "__main__":
+    main()

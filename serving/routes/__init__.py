@@ -1,0 +1,1 @@
+"""The HTTP routes, one Blueprint per audience: OpenAI clients, operators, session owners."""
