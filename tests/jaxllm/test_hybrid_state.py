@@ -4,7 +4,6 @@ prefill. (Parity of the numbers themselves with transformers: test_model_parity.
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 
 import chex
@@ -17,6 +16,7 @@ from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.orbax_io import load_orbax_model, restore_pytree, save_model, save_pytree
 from jaxllm.params import layout_params, param_shapes
+from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import recurrent_bytes_per_sequence
 
@@ -153,8 +153,8 @@ def test_decode_kernel_and_unrolled_layers_match_the_scanned_jnp_recurrence(para
     for decode_delta, unrolled in (("reference", False), ("interpret", False), ("interpret", True)):
         config = EngineConfig(max_slots=3, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 32), min_ctx_pages=2,
                               decode_widths=(1, 2), decode_steps_per_call=steps_per_call)
-        cfg = dataclasses.replace(CFG, decode_delta=decode_delta, scan_layers=not unrolled)
-        engine = Engine(cfg, layout_params(params, cfg.scan_layers), eos_ids=[0], config=config)
+        opts = RuntimeOptions(decode_delta=decode_delta, scan_layers=not unrolled)
+        engine = Engine(CFG, layout_params(params, opts.scan_layers), eos_ids=[0], config=config, options=opts)
         first = engine.add(PROMPT, greedy)
         engine.step()
         engine.step()  # `first` decodes from here on
