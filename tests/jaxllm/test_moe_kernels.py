@@ -98,7 +98,7 @@ def test_moe_mlp_kernel_matches_ragged_dot_path(dtype, T):
     output equal to the ragged_dot path's within the dtype's rounding."""
     cfg = ModelConfig(family="qwen3_moe", vocab_size=32, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
                       head_dim=16, ffn_dim=96, max_position=64, n_experts=8, n_experts_per_token=2, moe_ffn_dim=32,
-                      norm_topk_prob=True, dtype=dtype)
+                      norm_topk_prob=True)
     rng = np.random.default_rng(T)
     jdt = jnp.dtype(dtype)
     wg, wu, wd = _weights(rng, 8, 64, 32, jdt)
