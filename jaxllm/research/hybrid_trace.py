@@ -75,7 +75,7 @@ def _delta(h: jax.Array, p, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
                    rows=jnp.arange(T, dtype=jnp.int32)[None], valid=jnp.ones((1, T), bool),
                    lengths=jnp.full((1,), T, jnp.int32))
     # Snapshots: the states after each token ([1, T, Hv, Dk, Dv]), as verification keeps them.
-    out, _, deltas = delta_mixer(h, p, fresh, 0, decode, seq, cfg, snapshots=True)
+    out, _, deltas, _ = delta_mixer(h, p, fresh, 0, decode, seq, cfg, snapshots=True)
     return out, jnp.sqrt(jnp.sum(deltas[0] ** 2, axis=(-2, -1)))
 
 
@@ -85,7 +85,7 @@ def hybrid_trace(params: Params, cfg: ModelConfig, ids: jax.Array):
     None, router (ids, weights) [L, T, k] or None, logits [T, V]); the per-kind arrays in
     layer order within their kind."""
     layers = params.layers
-    x0 = params.embed[ids].astype(cfg.jnp_dtype)
+    x0 = params.embed[ids]  # the params are in the compute dtype
     positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
     pattern = cfg.layer_types[: cfg.layer_period]
     groups = cfg.n_layers // cfg.layer_period
