@@ -195,12 +195,6 @@ class PromptAdvance:
     ends_prompt: bool  # the chunk ends the prompt: the sequence draws its first token
 
 
-# A verification round's cost in decode steps of a multi-step call, as measured on an H100
-# (8B, batch 1: 11.17 ms against 5.75 ms a step; docs/lab/hybrid-h200.md); see
-# `Engine._verify_pays`.
-VERIFY_COST_STEPS = 2.0
-
-
 @dataclasses.dataclass(frozen=True)
 class RoundPlan:
     """What `launch` planned, so a caller never diffs the sequences to learn it."""
@@ -674,24 +668,17 @@ class Engine:
         """Whether a verification round beats a plain decode call now.
 
         A verification round is one step of the model for every decoding slot, and it gives
-        up the several steps a plain call takes per launch (`decode_steps_per_call`). On an
-        H100 (8B, batch 1) a round verifying 1 + 3 tokens cost 1.94x a step of an 8-step call,
-        and 64 concurrent sequences whose drafts were rarely accepted lost 31% of their
-        throughput to verification rounds (docs/lab/hybrid-h200.md). So with several steps a
-        call and several decoding sequences, a round verifies only when the tokens it is
-        expected to give, 1 + a + a^2 + ... per sequence for its planned drafts at its own
-        acceptance rate a so far, reach `VERIFY_COST_STEPS` per decoding sequence.
+        up the several steps a plain call takes per launch (`decode_steps_per_call`). Drafts
+        pay for that only when there are many: on an H100, 64 concurrent 8B sequences whose
+        drafts were rarely accepted lost 31% of their throughput to verification rounds that
+        each carried a lone retry (docs/lab/hybrid-h200.md). So with several steps a call and
+        several decoding sequences, a round verifies only with at least one planned draft
+        per decoding sequence (an MTP head's are planned before it proposes them).
         """
         if self.config.decode_steps_per_call <= 1 or len(decoding) <= 1:
             return True
-        expected = len(decoding) - len(drafts)  # sequences without drafts still emit one token
-        for slot, proposal in drafts.items():
-            control = self.seqs[slot].drafting
-            planned = control.wanted() if self.mtp_drafts else len(proposal)  # an MTP head proposes in the round
-            # Optimistic until a few drafts were verified: a sequence must try to learn its rate.
-            rate = control.accepted / control.proposed if control.proposed >= 4 else 0.8
-            expected += sum(rate**i for i in range(planned + 1))
-        return expected >= VERIFY_COST_STEPS * len(decoding)
+        planned = sum(self.seqs[slot].drafting.wanted() if self.mtp_drafts else len(p) for slot, p in drafts.items())
+        return planned >= len(decoding)
 
     def _launch_verify(self, inputs: steps.RoundInputs, decoding: list[Sequence], drafts: dict[int, list[int]],
                        snapshot: dict[int, Sequence]) -> Round:
