@@ -600,7 +600,7 @@ class Engine:
 
         if not prefilling and self.config.max_drafts:
             drafts = self._propose(decoding)
-            if drafts and self._verify_pays(decoding, drafts):
+            if drafts:
                 return self._launch_verify(inputs, decoding, drafts, snapshot)
 
         # Several steps per call only help unconstrained slots (a constrained one takes the
@@ -663,22 +663,6 @@ class Engine:
             if proposal or self.mtp_drafts:  # an MTP model verifies with no drafts to get the head's first ones
                 out[s.slot] = proposal
         return out
-
-    def _verify_pays(self, decoding: list[Sequence], drafts: dict[int, list[int]]) -> bool:
-        """Whether a verification round beats a plain decode call now.
-
-        A verification round is one step of the model for every decoding slot, and it gives
-        up the several steps a plain call takes per launch (`decode_steps_per_call`). Drafts
-        pay for that only when there are many: on an H100, 64 concurrent 8B sequences whose
-        drafts were rarely accepted lost 31% of their throughput to verification rounds that
-        each carried a lone retry (docs/lab/hybrid-h200.md). So with several steps a call and
-        several decoding sequences, a round verifies only with at least one planned draft
-        per decoding sequence (an MTP head's are planned before it proposes them).
-        """
-        if self.config.decode_steps_per_call <= 1 or len(decoding) <= 1:
-            return True
-        planned = sum(self.seqs[slot].drafting.wanted() if self.mtp_drafts else len(p) for slot, p in drafts.items())
-        return planned >= len(decoding)
 
     def _launch_verify(self, inputs: steps.RoundInputs, decoding: list[Sequence], drafts: dict[int, list[int]],
                        snapshot: dict[int, Sequence]) -> Round:
