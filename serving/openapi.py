@@ -45,6 +45,8 @@ def _scalars() -> dict[str, Any]:
     props["stop_token_ids"] = _nullable({"type": "array", "items": {"type": "integer"}})
     props["stream_options"] = _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}})
     props["stop"] = _STOP
+    # DRY's sequence breakers (the research samplers), strings as llama.cpp's server takes them.
+    props["dry_sequence_breakers"] = _nullable({"type": "array", "items": {"type": "string"}, "maxItems": 32})
     props["drafts"] = _nullable({"type": "integer", "minimum": 0,
                                  "description": "speculative drafts per step (up to the server's max_drafts)"})
     return props
