@@ -115,7 +115,8 @@ def trace(model, ids: Sequence[int]) -> Trace:
     """Runs one prompt (token ids) through the plain forward and keeps everything."""
     cfg = model.cfg
     tokens = jnp.asarray(list(ids), jnp.int32)
-    norms, linear = None, ()
+    norms = None
+    linear: tuple[int, ...] = ()
     if cfg.is_hybrid:
         residual, attention, norms, experts, logits = jax.device_get(hybrid_trace(model.params, cfg, tokens))
         linear = tuple(i for i, kind in enumerate(cfg.layer_types) if kind == LINEAR_ATTENTION)
