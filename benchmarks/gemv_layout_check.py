@@ -14,11 +14,11 @@ prints microseconds and GB/s for each.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.gpu_engine import timed
 
 SHAPES = {  # (in, out)
     "q/gate proj 2048 -> 4096": (2048, 4096),
@@ -26,16 +26,6 @@ SHAPES = {  # (in, out)
     "DeltaNet qkvz 2048 -> 12288": (2048, 12288),
     "lm_head 2048 -> 151936": (2048, 151936),
 }
-
-
-def timed(fn, repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
