@@ -35,15 +35,21 @@ _LOW_TOKEN_ID = 100  # prompts avoid the special tokens at the bottom of the voc
 
 # ---- CLI -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_engine",
-                                description="engine benchmark: prompt/decode tok/s vs the memory-bandwidth bound",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_engine",
+        description="engine benchmark: prompt/decode tok/s vs the memory-bandwidth bound",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_model_args(p)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1,8", help="comma-separated numbers of concurrent sequences")
-    p.add_argument("--steps-per-call", type=int, default=None,
-                   help="decode steps per engine call (EngineConfig.decode_steps_per_call); default: engine's")
+    p.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=None,
+        help="decode steps per engine call (EngineConfig.decode_steps_per_call); default: engine's",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each measurement (best is kept)")
     p.add_argument("--llama-cpp", action="store_true", help="also measure llama-cpp-python on the same GGUF")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
@@ -449,8 +455,13 @@ def _rows(r: dict) -> list[list[str]]:
         rows.append([f"warm-up / compile, x{c} engine (s)", f"{run['warmup_s']:.1f}", na])
         rows.append([f"steps per call, x{c} engine", str(run["steps_per_call"]), na])
     first = r["engine"][0]
-    rows.append([f"prompt tok/s ({r['prompt_tokens']}-token prefill, x{first['concurrency']} engine)",
-                 f"{first['prefill_tok_s']:.0f}", f"{llama['prefill_tok_s']:.0f}" if llama else na])
+    rows.append(
+        [
+            f"prompt tok/s ({r['prompt_tokens']}-token prefill, x{first['concurrency']} engine)",
+            f"{first['prefill_tok_s']:.0f}",
+            f"{llama['prefill_tok_s']:.0f}" if llama else na,
+        ]
+    )
     for run in r["engine"]:
         c = run["concurrency"]
         theirs = na
@@ -459,14 +470,27 @@ def _rows(r: dict) -> list[list[str]]:
         elif llama and c == llama["sequential_n"]:
             theirs = f"{llama['sequential_decode_tok_s']:.1f} (one after another)"
         rows.append([f"decode tok/s, {c} stream(s), total", f"{run['decode_tok_s']:.1f}", theirs])
-        rows.append(["  decode steps/s as % of bandwidth bound", f"{100 * run['fraction_of_bound']:.0f}%",
-                     f"{100 * llama['decode_tok_s'] / r['bandwidth']['max_decode_tok_s']:.0f}% (of f32 bound)"
-                     if llama and c == 1 else na])
-        e2e_theirs = f"{llama['sequential_e2e_tok_s']:.1f} (one after another)" if llama and c == llama["sequential_n"] else na
+        rows.append(
+            [
+                "  decode steps/s as % of bandwidth bound",
+                f"{100 * run['fraction_of_bound']:.0f}%",
+                f"{100 * llama['decode_tok_s'] / r['bandwidth']['max_decode_tok_s']:.0f}% (of f32 bound)"
+                if llama and c == 1
+                else na,
+            ]
+        )
+        e2e_theirs = (
+            f"{llama['sequential_e2e_tok_s']:.1f} (one after another)" if llama and c == llama["sequential_n"] else na
+        )
         rows.append([f"end-to-end tok/s, {c} stream(s) incl. prefill", f"{run['e2e_tok_s']:.1f}", e2e_theirs])
     if llama:
-        rows.append(["weights read per token (MB)", f"{r['bandwidth']['weight_bytes'] / 1e6:.0f}",
-                     f"~{llama['file_bytes'] / 1e6:.0f} (GGUF file, quantized)"])
+        rows.append(
+            [
+                "weights read per token (MB)",
+                f"{r['bandwidth']['weight_bytes'] / 1e6:.0f}",
+                f"~{llama['file_bytes'] / 1e6:.0f} (GGUF file, quantized)",
+            ]
+        )
         rows.append(["threads", "XLA default", str(llama["threads"])])
     return rows
 

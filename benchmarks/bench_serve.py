@@ -41,9 +41,11 @@ _LOW_TOKEN_ID = 100  # random prompts avoid the special tokens at the bottom of 
 
 # ---- command line ------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve",
-                                description="benchmark a running server over HTTP (TTFT, TPOT, ITL, throughput, RSS)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_serve",
+        description="benchmark a running server over HTTP (TTFT, TPOT, ITL, throughput, RSS)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_bench_serve_args(p)
     return p
 
@@ -59,35 +61,72 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", action="store_true", help="start `jaxllm serve` itself and wait for /health")
     p.add_argument("--serve-args", default="", help="extra arguments for the launched `jaxllm serve`, one string")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for /health after --launch")
-    p.add_argument("--server-pid", type=int, default=None,
-                   help="pid for RSS from /proc (default: the launched server, else the local pid on the port)")
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="pid for RSS from /proc (default: the launched server, else the local pid on the port)",
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals at this many requests/s (default: all at once, bounded by --concurrency)")
-    p.add_argument("--vocab-size", type=int, default=8192,
-                   help="prompt ids are drawn from [100, vocab-size); keep it within the model's vocabulary")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals at this many requests/s (default: all at once, bounded by --concurrency)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=8192,
+        help="prompt ids are drawn from [100, vocab-size); keep it within the model's vocabulary",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-requests", type=int, default=1, help="untimed requests before the run")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--overhead", action="store_true",
-                   help="also time single-stream decode on the engine in-process vs over HTTP (loads the model here)")
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="also time single-stream decode on the engine in-process vs over HTTP (loads the model here)",
+    )
     p.add_argument("--overhead-repeats", type=int, default=5, help="engine/HTTP run pairs, alternated")
-    p.add_argument("--model", default=None, help="model for --overhead (default: --model in --serve-args, else smollm2)")
+    p.add_argument(
+        "--model", default=None, help="model for --overhead (default: --model in --serve-args, else smollm2)"
+    )
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--config", default=None,
-                   help="server settings TOML whose [engine] the --overhead engine copies (default configs/server.toml)")
-    p.add_argument("--peak-bandwidth", type=float, default=4300.0,
-                   help="GB/s the MBU figure divides by (default: an H200's measured copy bandwidth, 4300)")
-    p.add_argument("--peak-tflops", type=float, default=790.0,
-                   help="dense TFLOP/s the MFU figures divide by (default: an H200's measured bf16 matmul, 790)")
-    p.add_argument("--profile", action="store_true",
-                   help="record a JAX profiler trace of the timed run (the server needs --profile-dir)")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write the result as JSON to PATH ('-' or no value: stdout instead of the table)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="server settings TOML whose [engine] the --overhead engine copies (default configs/server.toml)",
+    )
+    p.add_argument(
+        "--peak-bandwidth",
+        type=float,
+        default=4300.0,
+        help="GB/s the MBU figure divides by (default: an H200's measured copy bandwidth, 4300)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=790.0,
+        help="dense TFLOP/s the MFU figures divide by (default: an H200's measured bf16 matmul, 790)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="record a JAX profiler trace of the timed run (the server needs --profile-dir)",
+    )
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="write the result as JSON to PATH ('-' or no value: stdout instead of the table)",
+    )
     p.set_defaults(func=run_bench_serve)
 
 
@@ -116,8 +155,14 @@ class RequestResult:
 
 def completion_body(prompt: list[int], output_len: int, model: str | None) -> dict[str, Any]:
     """A streaming, greedy, fixed-length completion request."""
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if model:
         body["model"] = model
     return body
@@ -171,8 +216,9 @@ def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[i
     return [rng.integers(_LOW_TOKEN_ID, vocab_size, size=length).tolist() for _ in range(n)]
 
 
-async def run_requests(client: httpx.AsyncClient, bodies: list[dict[str, Any]], concurrency: int | None,
-                       request_rate: float, seed: int) -> tuple[list[RequestResult], float]:
+async def run_requests(
+    client: httpx.AsyncClient, bodies: list[dict[str, Any]], concurrency: int | None, request_rate: float, seed: int
+) -> tuple[list[RequestResult], float]:
     """Sends every body (Poisson arrivals at `request_rate`, at most `concurrency` in flight)."""
     sem = asyncio.Semaphore(concurrency or len(bodies) or 1)
     rng = np.random.default_rng(seed + 1)
@@ -362,8 +408,11 @@ def overhead_engine(args: argparse.Namespace, model: Any = None) -> Any:
         from jaxllm.api import load
 
         name = args.model or _serve_arg(args, "--model") or "smollm2"
-        model = load(name, load_format=_serve_arg(args, "--load-format") or args.load_format,
-                     dtype=_serve_arg(args, "--dtype") or args.dtype)
+        model = load(
+            name,
+            load_format=_serve_arg(args, "--load-format") or args.load_format,
+            dtype=_serve_arg(args, "--dtype") or args.dtype,
+        )
     engine = model.engine(engine_config_from_settings(args.config or _serve_arg(args, "--config")))
     (warm,) = make_prompts(1, args.input_len, args.vocab_size, args.seed + 99)
     time_engine_decode(engine, warm, args.output_len)
@@ -421,17 +470,19 @@ async def _run_load(args: argparse.Namespace, base_url: str, model: str | None) 
     prompts = make_prompts(args.warmup_requests + args.num_prompts, args.input_len, args.vocab_size, args.seed)
     bodies = [completion_body(p, args.output_len, model) for p in prompts]
     limits = httpx.Limits(max_connections=max(args.concurrency or args.num_prompts, 1) + 4)
-    async with httpx.AsyncClient(base_url=base_url, headers=_headers(args.api_key), timeout=args.timeout,
-                                 limits=limits) as client:
-        for body in bodies[:args.warmup_requests]:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=_headers(args.api_key), timeout=args.timeout, limits=limits
+    ) as client:
+        for body in bodies[: args.warmup_requests]:
             r = await stream_completion(client, body)
             if not r.ok:
                 raise RuntimeError(f"warm-up request failed: {r.error}")
         if args.profile:
             (await client.post("/start_profile")).raise_for_status()
         try:
-            return await run_requests(client, bodies[args.warmup_requests:], args.concurrency, args.request_rate,
-                                      args.seed)
+            return await run_requests(
+                client, bodies[args.warmup_requests :], args.concurrency, args.request_rate, args.seed
+            )
         finally:
             if args.profile:
                 (await client.post("/stop_profile", timeout=max(args.timeout, 300))).raise_for_status()
@@ -459,7 +510,9 @@ def compilations_between(before: dict[str, Any], after: dict[str, Any]) -> int |
     return int(after["compilations"]) - int(before["compilations"])
 
 
-def utilisation(summary: dict[str, Any], costs: dict[str, int] | None, args: argparse.Namespace) -> dict[str, Any] | None:
+def utilisation(
+    summary: dict[str, Any], costs: dict[str, int] | None, args: argparse.Namespace
+) -> dict[str, Any] | None:
     """MBU of decode and MFU of prefill and of the whole run, from the measured latencies.
 
     Approximations, stated in the report: a decode step of c concurrent requests reads the
@@ -492,8 +545,11 @@ def utilisation(summary: dict[str, Any], costs: dict[str, int] | None, args: arg
 def run_bench_serve(args: argparse.Namespace) -> int:
     args.api_key = args.api_key or os.environ.get("JAXLLM_API_KEY")
     base_url = (args.base_url or f"http://127.0.0.1:{args.port}").rstrip("/")
-    report: dict[str, Any] = {"machine": machine_info(), "base_url": base_url,
-                              "args": {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"}}
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "base_url": base_url,
+        "args": {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"},
+    }
     engine = None
     if args.overhead:
         # Load and compile in-process first, so that never shares the CPU with a warming server.
@@ -540,8 +596,14 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 def machine_info() -> dict[str, Any]:
     cpu = ""
     try:
-        cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                    if l.startswith("model name")), "")
+        cpu = next(
+            (
+                l.split(":", 1)[1].strip()
+                for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")
+            ),
+            "",
+        )
     except OSError:
         pass
     return {"cpus": os.cpu_count(), "cpu_model": cpu, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -578,12 +640,17 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'Total token throughput (tok/s):':<44}{s['total_token_throughput']:.2f}",
         f"{'Tokens per content chunk (mean):':<44}{_f(s['tokens_per_chunk'])}",
     ]
-    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
-                       ("itl_ms", "Inter-token Latency (between chunks)"), ("e2el_ms", "End-to-end Latency")):
+    for key, title in (
+        ("ttft_ms", "Time to First Token"),
+        ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+        ("itl_ms", "Inter-token Latency (between chunks)"),
+        ("e2el_ms", "End-to-end Latency"),
+    ):
         lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
         for stat in ("mean", "p50", "p99"):
-            lines.append(f"{stat.upper() if stat != 'mean' else 'Mean'} {key[:-3].upper()} (ms):".ljust(44)
-                         + _f(s[key][stat]))
+            lines.append(
+                f"{stat.upper() if stat != 'mean' else 'Mean'} {key[:-3].upper()} (ms):".ljust(44) + _f(s[key][stat])
+            )
     u = r.get("utilisation")
     if u:
         lines.append("{s:{c}^60}".format(s=" Hardware utilisation (approx.) ", c="-"))

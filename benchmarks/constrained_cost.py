@@ -20,15 +20,30 @@ import time
 import numpy as np
 
 from jaxllm.api import load
-from jaxllm.constrained import GrammarConstraint, constraint_for, json_object_grammar, json_schema_grammar, tool_call_grammar
+from jaxllm.constrained import (
+    GrammarConstraint,
+    constraint_for,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from jaxllm.engine import EngineConfig
 from jaxllm.sampling import SamplingParams
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "hobbies": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "age", "hobbies"]}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "hobbies": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "hobbies"],
+}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
 LONG = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 400}
 
 
@@ -55,8 +70,11 @@ class Timed:
 
 def host_cost(model, engine, prompt: list[int]) -> None:
     tools = {"get_weather": WEATHER, "get_time": {"type": "object", "properties": {"zone": {"type": "string"}}}}
-    for kind, grammar in [("json_schema", json_schema_grammar(PERSON)), ("json_object", json_object_grammar()),
-                          ("tool_call", tool_call_grammar(tools, tools))]:
+    for kind, grammar in [
+        ("json_schema", json_schema_grammar(PERSON)),
+        ("json_object", json_object_grammar()),
+        ("tool_call", tool_call_grammar(tools, tools)),
+    ]:
         t = time.perf_counter()
         c = Timed(constraint_for(model.tokenizer, model.cfg.vocab_size, grammar, kind))
         build = time.perf_counter() - t
@@ -64,12 +82,16 @@ def host_cost(model, engine, prompt: list[int]) -> None:
         while seq.finish_reason is None:
             engine.step()
         engine.remove(seq)
-        print(f"host {kind:11s}: {c.tokens:3d} tokens, {1e3 * c.seconds / c.tokens:.3f} ms/token "
-              f"(mask + advance), matcher build {1e3 * build:.1f} ms, finish {seq.finish_reason}")
+        print(
+            f"host {kind:11s}: {c.tokens:3d} tokens, {1e3 * c.seconds / c.tokens:.3f} ms/token "
+            f"(mask + advance), matcher build {1e3 * build:.1f} ms, finish {seq.finish_reason}"
+        )
 
 
 def neighbours(model, engine, prompt: list[int], n_free: int, tokens: int, extra: str) -> float:
-    free = [engine.add(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)) for _ in range(n_free)]
+    free = [
+        engine.add(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)) for _ in range(n_free)
+    ]
     other = None
     if extra == "free":
         other = engine.add(prompt, SamplingParams(temperature=0, max_tokens=4 * tokens, ignore_eos=True))
@@ -99,8 +121,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     model = load(a.model)
-    engine = model.engine(EngineConfig(max_slots=a.free + 1, max_seq_len=1024, kv_bytes=64 << 20,
-                                       chunk_buckets=(64, 256), decode_steps_per_call=4))
+    engine = model.engine(
+        EngineConfig(
+            max_slots=a.free + 1, max_seq_len=1024, kv_bytes=64 << 20, chunk_buckets=(64, 256), decode_steps_per_call=4
+        )
+    )
     engine.warmup()
     prompt = model.chat_ids([{"role": "user", "content": "Describe a person as JSON."}], add_generation_prompt=True)
     host_cost(model, engine, prompt)
@@ -110,8 +135,10 @@ def main() -> None:
         for extra in rates:
             rates[extra].append(neighbours(model, engine, prompt, a.free, a.tokens, extra))
     for extra, r in rates.items():
-        print(f"{a.free} free seqs, neighbour {extra:11s}: {statistics.median(r):6.2f} tok/s each "
-              f"(runs {', '.join(f'{x:.2f}' for x in r)})")
+        print(
+            f"{a.free} free seqs, neighbour {extra:11s}: {statistics.median(r):6.2f} tok/s each "
+            f"(runs {', '.join(f'{x:.2f}' for x in r)})"
+        )
     c, f = statistics.median(rates["constrained"]), statistics.median(rates["free"])
     print(f"constrained neighbour vs unconstrained neighbour: {100 * (c / f - 1):+.1f}%")
 

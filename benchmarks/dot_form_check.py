@@ -32,9 +32,10 @@ def main() -> None:
 
     forms = {
         "tensordot 2 axes": lambda a, w: jnp.tensordot(a, w, axes=2),
-        "2-D views": lambda a, w: (a.reshape(a.shape[0], -1) @ w.reshape(-1, w.shape[-1])),
+        "2-D views": lambda a, w: a.reshape(a.shape[0], -1) @ w.reshape(-1, w.shape[-1]),
     }
     for name, form in forms.items():
+
         def chain(x, ws):
             out = jnp.zeros((1, D), jnp.float32)
             for w in ws:
@@ -43,9 +44,12 @@ def main() -> None:
 
         fn = jax.jit(chain)
         hlo = fn.lower(x, ws).compile().as_text()
-        entry = hlo[hlo.index("ENTRY"):]
-        kinds = collections.Counter(re.findall(r'kind=(k\w+)', entry) + re.findall(r'custom_call_target="([^"]+)"', entry)
-                                    + re.findall(r'calls=%?(\w*(?:multiply|reduce|dot|gemm)\w*)', entry))
+        entry = hlo[hlo.index("ENTRY") :]
+        kinds = collections.Counter(
+            re.findall(r"kind=(k\w+)", entry)
+            + re.findall(r'custom_call_target="([^"]+)"', entry)
+            + re.findall(r"calls=%?(\w*(?:multiply|reduce|dot|gemm)\w*)", entry)
+        )
         fn(x, ws).block_until_ready()
         times = []
         for _ in range(7):
@@ -55,7 +59,10 @@ def main() -> None:
             times.append((time.perf_counter() - t) / 10)
         per = statistics.median(times) / L
         gbs = H * Dh * D * 2 / per / 1e9
-        print(f"{name:18s} {per * 1e6:7.2f} us per projection ({gbs:5.0f} GB/s); entry computation: {dict(kinds.most_common(6))}", flush=True)
+        print(
+            f"{name:18s} {per * 1e6:7.2f} us per projection ({gbs:5.0f} GB/s); entry computation: {dict(kinds.most_common(6))}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -101,11 +101,13 @@ def check_decode(shape: dict, dtype, runs: int, interpret: bool) -> None:
         state_bytes = 2 * W * H * Dk * Dv * 4  # each window's state read once and written once
         token_bytes = W * H * (2 * Dk + 2 * Dv) * jnp.dtype(dtype).itemsize + 2 * W * H * 4  # q, k, v, out; g, beta
         moved = state_bytes + token_bytes
-        print(f"decode  {jnp.dtype(dtype).name:8s} W={W:3d} pool={n_layers}x{n_slots} H={H} Dk={Dk} Dv={Dv}  "
-              f"out max {out_err[0]:.2e} rel {out_err[1]:.2e}  state max {state_err[0]:.2e} rel {state_err[1]:.2e}  "
-              f"kernel {t_kernel * 1e3:.4f} ms  jnp {t_jnp * 1e3:.4f} ms  x{t_jnp / t_kernel:.2f}  "
-              f"{moved / 1e6:.2f} MB  kernel {moved / t_kernel / 1e9:.3g} GB/s  jnp {moved / t_jnp / 1e9:.3g} GB/s",
-              flush=True)
+        print(
+            f"decode  {jnp.dtype(dtype).name:8s} W={W:3d} pool={n_layers}x{n_slots} H={H} Dk={Dk} Dv={Dv}  "
+            f"out max {out_err[0]:.2e} rel {out_err[1]:.2e}  state max {state_err[0]:.2e} rel {state_err[1]:.2e}  "
+            f"kernel {t_kernel * 1e3:.4f} ms  jnp {t_jnp * 1e3:.4f} ms  x{t_jnp / t_kernel:.2f}  "
+            f"{moved / 1e6:.2f} MB  kernel {moved / t_kernel / 1e9:.3g} GB/s  jnp {moved / t_jnp / 1e9:.3g} GB/s",
+            flush=True,
+        )
 
 
 def check_prefill_precision(runs: int, tokens: tuple[int, ...] = (512, 2048)) -> None:
@@ -123,8 +125,11 @@ def check_prefill_precision(runs: int, tokens: tuple[int, ...] = (512, 2048)) ->
                 ref = (out, state)
             t = median_seconds(lambda: fn(*args), runs)
             out_err, state_err = errors(out, ref[0]), errors(state, ref[1])
-            print(f"prefill jnp WY T={T:5d} precision={name:8s} {t * 1e3:.3f} ms  out rel {out_err[1]:.2e}  "
-                  f"state rel {state_err[1]:.2e}", flush=True)
+            print(
+                f"prefill jnp WY T={T:5d} precision={name:8s} {t * 1e3:.3f} ms  out rel {out_err[1]:.2e}  "
+                f"state rel {state_err[1]:.2e}",
+                flush=True,
+            )
 
 
 def main() -> None:

@@ -44,12 +44,17 @@ def main() -> None:
             x = jax.random.normal(key, (rows, k_in), jnp.bfloat16)
             # Each product's input depends on the last one's output (a chain, as in a step).
             in_out = jax.jit(lambda x, ws: sum(jnp.dot(x + i, w).astype(jnp.float32).sum() for i, w in enumerate(ws)))
-            out_in = jax.jit(lambda x, ws: sum(jnp.einsum("rk,nk->rn", x + i, w).astype(jnp.float32).sum() for i, w in enumerate(ws)))
+            out_in = jax.jit(
+                lambda x, ws: sum(jnp.einsum("rk,nk->rn", x + i, w).astype(jnp.float32).sum() for i, w in enumerate(ws))
+            )
             bytes_ = layers * k_in * n_out * 2
             for label, fn, w in (("[in, out]", in_out, ws_list), ("[out, in]", out_in, wts_list)):
                 s = timed(lambda: jax.block_until_ready(fn(x, w)))
-                print(f"GEMV {name}, {rows} row(s), weight {label}: {s / layers * 1e6:.1f} us a product, "
-                      f"{bytes_ / s / 1e9:.0f} GB/s", flush=True)
+                print(
+                    f"GEMV {name}, {rows} row(s), weight {label}: {s / layers * 1e6:.1f} us a product, "
+                    f"{bytes_ / s / 1e9:.0f} GB/s",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

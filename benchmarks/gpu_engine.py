@@ -74,13 +74,19 @@ def kernel_parity() -> dict[str, float]:
     return {"cudnn_vs_reference_rel_err": float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))}
 
 
-def engine_config(cfg, opts: RuntimeOptions, *, slots: int, max_seq_len: int, chunk: int, steps: int,
-                  **kw) -> EngineConfig:
+def engine_config(
+    cfg, opts: RuntimeOptions, *, slots: int, max_seq_len: int, chunk: int, steps: int, **kw
+) -> EngineConfig:
     """Pages for every slot's whole context, one chunk size, `steps` decode steps a call."""
     pages = slots * (-(-max_seq_len // 16) + 1) + 4
     return EngineConfig(
-        max_slots=slots, kv_bytes=pages * kv_bytes_per_page(cfg, 16, opts), max_seq_len=max_seq_len,
-        chunk_buckets=(chunk,), min_ctx_pages=8, decode_steps_per_call=steps, **kw,
+        max_slots=slots,
+        kv_bytes=pages * kv_bytes_per_page(cfg, 16, opts),
+        max_seq_len=max_seq_len,
+        chunk_buckets=(chunk,),
+        min_ctx_pages=8,
+        decode_steps_per_call=steps,
+        **kw,
     )
 
 
@@ -103,10 +109,12 @@ CTX = 860
 
 def decode_seconds_per_call(engine: Engine, calls: int = 5) -> float:
     """Median seconds of one decode call, dispatched back to back (no host sync between)."""
+
     def run():
         handles = [engine.launch() for _ in range(calls)]
         jax.block_until_ready(handles[-1].output)
         return handles
+
     run()
     times = []
     for _ in range(3):
@@ -124,13 +132,23 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
-    ap.add_argument("--kv-dtype", default="auto", help="RuntimeOptions.kv_dtype of every case (float8_e4m3fn: an 8-bit cache)")
+    ap.add_argument(
+        "--kv-dtype", default="auto", help="RuntimeOptions.kv_dtype of every case (float8_e4m3fn: an 8-bit cache)"
+    )
     ap.add_argument("--c-slots", default="64", help="case C's concurrent sequences, comma-separated (e.g. 16,64)")
-    ap.add_argument("--c-context", type=int, default=CTX,
-                    help="prompt length of case C (1536: the mean context of 64 x 1k-in/1k-out requests)")
+    ap.add_argument(
+        "--c-context",
+        type=int,
+        default=CTX,
+        help="prompt length of case C (1536: the mean context of 64 x 1k-in/1k-out requests)",
+    )
     args = ap.parse_args()
     cases = args.cases.split(",")
-    results: dict[str, object] = {"device": str(jax.devices()[0]), "scan_layers": args.scan, "steps_per_call": args.steps}
+    results: dict[str, object] = {
+        "device": str(jax.devices()[0]),
+        "scan_layers": args.scan,
+        "steps_per_call": args.steps,
+    }
 
     if "ceil" in cases:
         results.update(ceilings())
@@ -151,14 +169,24 @@ def main() -> None:
 
     # (steps per call, decode attention, decode matmul, fused projections, decode norm, sampler branches)
     runs = [(steps, "auto", "xla", True, "auto", "auto") for steps in sorted({1, args.steps})] if "a" in cases else []
-    runs += [(args.steps, "auto", "xla", True, "auto", "auto")] if "a_steps" in cases else []  # "a" without the 1-step call
-    runs += [(args.steps, "reference", "xla", True, "auto", "auto")] if "aref" in cases else []  # before the Pallas decode kernel
-    runs += [(args.steps, "auto", "xla", False, "auto", "auto")] if "a_unfused" in cases else []  # one matmul per projection
-    runs += [(args.steps, "auto", "xla", True, "xla", "auto")] if "anorm" in cases else []  # XLA's norms, not the kernel's
+    runs += (
+        [(args.steps, "auto", "xla", True, "auto", "auto")] if "a_steps" in cases else []
+    )  # "a" without the 1-step call
+    runs += (
+        [(args.steps, "reference", "xla", True, "auto", "auto")] if "aref" in cases else []
+    )  # before the Pallas decode kernel
+    runs += (
+        [(args.steps, "auto", "xla", False, "auto", "auto")] if "a_unfused" in cases else []
+    )  # one matmul per projection
+    runs += (
+        [(args.steps, "auto", "xla", True, "xla", "auto")] if "anorm" in cases else []
+    )  # XLA's norms, not the kernel's
     runs += [(args.steps, "auto", "xla", True, "auto", "cond")] if "acond" in cases else []  # the sampler's lax.conds
     for steps, attention, matmul, fused, norm, branches in runs:
         run_params = params if fused else unfuse_projections(params)
-        run_opts = opts.replace(decode_attention=attention, decode_matmul=matmul, decode_norm=norm, sampler_branches=branches)
+        run_opts = opts.replace(
+            decode_attention=attention, decode_matmul=matmul, decode_norm=norm, sampler_branches=branches
+        )
         eng = engine_for(cfg, run_opts, run_params, slots=1, max_seq_len=2048, chunk=1024, steps=steps)
         t = time.perf_counter()
         prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
@@ -166,15 +194,18 @@ def main() -> None:
         per_call = decode_seconds_per_call(eng)
         step_s = per_call / steps
         bytes_step = costs.decode_step_bytes(CTX + 80)
-        tag = f"steps{steps}" + ("" if attention == "auto" else f"_{attention}") + ("" if matmul == "xla" else f"_{matmul}")
+        tag = (
+            f"steps{steps}"
+            + ("" if attention == "auto" else f"_{attention}")
+            + ("" if matmul == "xla" else f"_{matmul}")
+        )
         tag += "" if fused else "_unfused"
         tag += "" if norm == "auto" else f"_norm_{norm}"
         tag += "" if branches == "auto" else f"_sampler_{branches}"
         results[f"a_decode_ms_b1_ctx1k_{tag}"] = step_s * 1e3
         results[f"a_mbu_{tag}"] = bytes_step / step_s / 4.3e12
         results[f"a_first_prefill_incl_compile_s_{tag}"] = first
-        print(f"A {tag}: {step_s*1e3:.2f} ms/token, "
-              f"MBU {bytes_step/step_s/4.3e12:.0%} of 4.3 TB/s", flush=True)
+        print(f"A {tag}: {step_s * 1e3:.2f} ms/token, MBU {bytes_step / step_s / 4.3e12:.0%} of 4.3 TB/s", flush=True)
         eng = None  # free the engine before the next case
 
     if "b" in cases:
@@ -191,7 +222,7 @@ def main() -> None:
         flops = costs.prefill_flops(2048)
         results["b_prefill_2k_ms"] = s * 1e3
         results["b_mfu"] = flops / s / 790e12
-        print(f"B prefill 2k: {s*1e3:.1f} ms, MFU {flops/s/790e12:.0%} of 790 TFLOP/s", flush=True)
+        print(f"B prefill 2k: {s * 1e3:.1f} ms, MFU {flops / s / 790e12:.0%} of 790 TFLOP/s", flush=True)
         eng = None  # free the engine before the next case
 
     for slots in [int(n) for n in args.c_slots.split(",")] if "c" in cases else []:
@@ -207,10 +238,14 @@ def main() -> None:
         step_s = per_call / args.steps
         # Mean context over the timed calls: the prompt plus the ~(1 + 5 * 3) calls' steps so far.
         mbu = costs.decode_step_bytes(slots * (ctx + 8 * args.steps)) / step_s / 4.3e12
-        results.update({f"c_decode_tok_s_{slots}x1k": tok_s, f"c_step_ms{sfx}": step_s * 1e3, f"c_mbu{sfx}": mbu,
-                        "c_context": ctx})
-        print(f"C {slots} concurrent at {ctx} ctx: {tok_s:.0f} output tok/s (decode only), {step_s * 1e3:.2f} ms/step, "
-              f"MBU {mbu:.0%}; prefill of {slots} prompts took {prefill_s:.1f}s incl. compile", flush=True)
+        results.update(
+            {f"c_decode_tok_s_{slots}x1k": tok_s, f"c_step_ms{sfx}": step_s * 1e3, f"c_mbu{sfx}": mbu, "c_context": ctx}
+        )
+        print(
+            f"C {slots} concurrent at {ctx} ctx: {tok_s:.0f} output tok/s (decode only), {step_s * 1e3:.2f} ms/step, "
+            f"MBU {mbu:.0%}; prefill of {slots} prompts took {prefill_s:.1f}s incl. compile",
+            flush=True,
+        )
         eng = None  # free the engine before the next case
 
     print(json.dumps(results, indent=1))

@@ -47,22 +47,31 @@ def main() -> None:
     t = time.perf_counter()
     params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers, consume=True)
     jax.block_until_ready(params)
-    results: dict[str, object] = {"config": args.config, "device": str(jax.devices()[0]), "scan_layers": args.scan,
-                                  "load_s": time.perf_counter() - t}
+    results: dict[str, object] = {
+        "config": args.config,
+        "device": str(jax.devices()[0]),
+        "scan_layers": args.scan,
+        "load_s": time.perf_counter() - t,
+    }
     print(f"{args.config}: {cfg.param_count() / 1e9:.1f}B params ready in {results['load_s']:.1f}s", flush=True)
     rng = np.random.default_rng(0)
 
     for case, delta in (("a", "auto"), ("aref", "reference")):
         if case not in cases:
             continue
-        eng = engine_for(cfg, opts.replace(decode_delta=delta), params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
+        eng = engine_for(
+            cfg, opts.replace(decode_delta=delta), params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps
+        )
         t = time.perf_counter()
         prefill(eng, [rng.integers(0, cfg.vocab_size, args.context).tolist()], max_tokens=1000)
         compile_s = time.perf_counter() - t
         step_ms = decode_seconds_per_call(eng) / args.steps * 1e3
         results[f"{case}_decode_ms_b1"] = step_ms
-        print(f"A decode_delta={delta}: batch 1 at {args.context} ctx {step_ms:.2f} ms/token "
-              f"(first prefill incl. compiles {compile_s:.1f}s)", flush=True)
+        print(
+            f"A decode_delta={delta}: batch 1 at {args.context} ctx {step_ms:.2f} ms/token "
+            f"(first prefill incl. compiles {compile_s:.1f}s)",
+            flush=True,
+        )
         eng = None
 
     if "b" in cases:
@@ -89,8 +98,11 @@ def main() -> None:
         step_s = decode_seconds_per_call(eng, calls=3) / args.steps
         results[f"c_step_ms_{slots}"] = step_s * 1e3
         results[f"c_tok_s_{slots}"] = slots / step_s
-        print(f"C {slots} concurrent at {args.c_context} ctx: {step_s * 1e3:.2f} ms/step, {slots / step_s:.0f} output "
-              f"tok/s (decode only); prefill of {slots} prompts {prefill_s:.1f}s incl. compiles", flush=True)
+        print(
+            f"C {slots} concurrent at {args.c_context} ctx: {step_s * 1e3:.2f} ms/step, {slots / step_s:.0f} output "
+            f"tok/s (decode only); prefill of {slots} prompts {prefill_s:.1f}s incl. compiles",
+            flush=True,
+        )
         eng = None
 
     print(json.dumps(results, indent=1))

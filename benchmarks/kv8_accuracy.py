@@ -49,8 +49,10 @@ def main() -> None:
         agree += int((wide_lp.argmax(-1) == narrow_lp.argmax(-1)).sum())
         total += len(out)
         kl += list((np.exp(wide_lp) * (wide_lp - narrow_lp)).sum(-1))
-    print(f"{args.model} ({args.dtype}): top-1 agreement {agree}/{total} = {agree / total:.3f}; "
-          f"KL({args.dtype} || 8-bit) mean {np.mean(kl):.4f}, max {np.max(kl):.4f} nats")
+    print(
+        f"{args.model} ({args.dtype}): top-1 agreement {agree}/{total} = {agree / total:.3f}; "
+        f"KL({args.dtype} || 8-bit) mean {np.mean(kl):.4f}, max {np.max(kl):.4f} nats"
+    )
 
 
 if __name__ == "__main__":

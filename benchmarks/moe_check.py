@@ -43,9 +43,22 @@ INTERPRET = jax.default_backend() == "cpu"
 
 
 def _cfg(s: dict) -> ModelConfig:
-    return ModelConfig(family="qwen3_moe", vocab_size=16, d_model=s["D"], n_layers=1, n_heads=16, n_kv_heads=4,
-                       head_dim=128, ffn_dim=0, max_position=64, n_experts=s["E"], n_experts_per_token=s["k"],
-                       moe_ffn_dim=s["F"], norm_topk_prob=True, dtype="bfloat16")
+    return ModelConfig(
+        family="qwen3_moe",
+        vocab_size=16,
+        d_model=s["D"],
+        n_layers=1,
+        n_heads=16,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_dim=0,
+        max_position=64,
+        n_experts=s["E"],
+        n_experts_per_token=s["k"],
+        moe_ffn_dim=s["F"],
+        norm_topk_prob=True,
+        dtype="bfloat16",
+    )
 
 
 def make_layers(s: dict, n: int, seed: int = 0) -> list[MoeParams]:
@@ -55,8 +68,9 @@ def make_layers(s: dict, n: int, seed: int = 0) -> list[MoeParams]:
     def one(key):
         k1, k2, k3, k4 = jax.random.split(key, 4)
         w = lambda k, shape, fan: (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan)).astype(jnp.bfloat16)
-        return MoeParams(router=w(k1, (D, E), D), w_gate=w(k2, (E, D, F), D), w_up=w(k3, (E, D, F), D),
-                         w_down=w(k4, (E, F, D), F))
+        return MoeParams(
+            router=w(k1, (D, E), D), w_gate=w(k2, (E, D, F), D), w_up=w(k3, (E, D, F), D), w_down=w(k4, (E, F, D), F)
+        )
 
     return [one(k) for k in jax.random.split(jax.random.PRNGKey(seed), n)]
 
@@ -116,8 +130,9 @@ def layer_fn(variant: str, s: dict, config: tuple = ()):
     else:
         layout = "pairs" if variant == "pairs" else "grouped"
         bm = int(variant.removeprefix("grouped")) if variant.startswith("grouped") else None
-        experts = lambda x, e, w, p: moe_ffn(x, e, w, p.w_gate, p.w_up, p.w_down, layout=layout, block_m=bm,
-                                             config=config, interpret=INTERPRET)
+        experts = lambda x, e, w, p: moe_ffn(
+            x, e, w, p.w_gate, p.w_up, p.w_down, layout=layout, block_m=bm, config=config, interpret=INTERPRET
+        )
 
     def fn(x, p):
         top_w, top_e = routing(x, p, s["k"])
@@ -128,6 +143,7 @@ def layer_fn(variant: str, s: dict, config: tuple = ()):
 
 def chain_seconds(fn, x, layers, calls: int = 10) -> float:
     """Median seconds per layer of the jitted chain, `calls` calls dispatched back to back."""
+
     @jax.jit
     def chain(x, layers):
         for p in layers:
@@ -156,9 +172,18 @@ def floor_seconds(x, layers, s) -> float:
 
 
 SWEEP = [  # one knob at a time from the layout's defaults (moe_kernels.DEFAULTS)
-    (), (("gu_block_n", 32),), (("gu_block_n", 64),), (("gu_block_n", 128),), (("gu_block_k", 64),),
-    (("gu_block_k", 128),), (("dn_block_n", 128),), (("dn_block_k", 128),), (("num_stages", 3),),
-    (("num_stages", 4),), (("num_stages", 5),), (("num_warps", 8),),
+    (),
+    (("gu_block_n", 32),),
+    (("gu_block_n", 64),),
+    (("gu_block_n", 128),),
+    (("gu_block_k", 64),),
+    (("gu_block_k", 128),),
+    (("dn_block_n", 128),),
+    (("dn_block_k", 128),),
+    (("num_stages", 3),),
+    (("num_stages", 4),),
+    (("num_stages", 5),),
+    (("num_warps", 8),),
 ]
 
 
@@ -169,7 +194,9 @@ def main() -> None:
     ap.add_argument("--variants", default="xla,ours,pairs,grouped16,grouped32,grouped64,tokamax-triton,tokamax-mosaic")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--parity-tokens", default="1,16,64,1024")
-    ap.add_argument("--sweep", default="", help="sweep SWEEP's configs at these 'variant:tokens' (e.g. pairs:1,grouped16:64)")
+    ap.add_argument(
+        "--sweep", default="", help="sweep SWEEP's configs at these 'variant:tokens' (e.g. pairs:1,grouped16:64)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results: list[dict] = []
@@ -208,8 +235,15 @@ def main() -> None:
                     continue
                 try:
                     sec = chain_seconds(layer_fn(variant, s), x, layers)
-                    record(kind="time", shape=shape_name, T=T, variant=variant, us=sec * 1e6, floor_us=floor * 1e6,
-                           of_floor=floor / sec)
+                    record(
+                        kind="time",
+                        shape=shape_name,
+                        T=T,
+                        variant=variant,
+                        us=sec * 1e6,
+                        floor_us=floor * 1e6,
+                        of_floor=floor / sec,
+                    )
                 except Exception as e:
                     record(kind="time", shape=shape_name, T=T, variant=variant, error=repr(e)[:300])
         for spec in [v for v in args.sweep.split(",") if v]:
@@ -220,10 +254,19 @@ def main() -> None:
             for config in SWEEP:
                 try:
                     sec = chain_seconds(layer_fn(variant, s, config), x, layers)
-                    record(kind="sweep", shape=shape_name, T=T, variant=variant, config=dict(config), us=sec * 1e6,
-                           of_floor=floor / sec)
+                    record(
+                        kind="sweep",
+                        shape=shape_name,
+                        T=T,
+                        variant=variant,
+                        config=dict(config),
+                        us=sec * 1e6,
+                        of_floor=floor / sec,
+                    )
                 except Exception as e:
-                    record(kind="sweep", shape=shape_name, T=T, variant=variant, config=dict(config), error=repr(e)[:300])
+                    record(
+                        kind="sweep", shape=shape_name, T=T, variant=variant, config=dict(config), error=repr(e)[:300]
+                    )
         del layers
 
     print("\nshape            T  variant          us/layer  of floor (routed experts at 4.3 TB/s)")

@@ -29,11 +29,13 @@ CHAIN = 32
 
 def chained(norm):
     """CHAIN dependent add + norm calls, each feeding the next (like a step's layers)."""
+
     def run(x, delta, w):
         for _ in range(CHAIN):
             x, h = norm(x, delta, w)
             delta = h
         return x, delta
+
     return jax.jit(run)
 
 
@@ -68,8 +70,10 @@ def main() -> None:
             ok &= same_sum and err <= 4
             kernel = chained(lambda a, b, c: add_rms_norm(a, b, c, eps=1e-5, interpret=args.interpret))
             xla = chained(lambda a, b, c: ((a + b), rms_norm(a + b, c, 1e-5)))
-            print(f"{jnp.dtype(dtype).name:9} {D:4} {T:3} {err:13.2f}  {ms(kernel, x, delta, w):9.3f} "
-                  f"{ms(xla, x, delta, w):7.3f}  sum exact: {same_sum}")
+            print(
+                f"{jnp.dtype(dtype).name:9} {D:4} {T:3} {err:13.2f}  {ms(kernel, x, delta, w):9.3f} "
+                f"{ms(xla, x, delta, w):7.3f}  sum exact: {same_sum}"
+            )
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
 

@@ -78,9 +78,13 @@ def _inputs(case: Case, seed: int = 0):
     cached = np.minimum(case.ctx - rng.integers(0, case.ctx // 20 + 1, W), n * page).astype(np.int32)
     kv = normal if case.kv_dtype is None else lambda *shape: to_kv_dtype(normal(*shape), case.kv_dtype)  # noqa: E731
     return dict(
-        q=normal(W, H, Dh), k_new=kv(W, K, Dh), v_new=kv(W, K, Dh),
-        k_pages=kv(P, page, K, Dh), v_pages=kv(P, page, K, Dh),
-        pages=jnp.asarray(pages), cached_len=jnp.asarray(cached),
+        q=normal(W, H, Dh),
+        k_new=kv(W, K, Dh),
+        v_new=kv(W, K, Dh),
+        k_pages=kv(P, page, K, Dh),
+        v_pages=kv(P, page, K, Dh),
+        pages=jnp.asarray(pages),
+        cached_len=jnp.asarray(cached),
     )
 
 
@@ -107,8 +111,15 @@ def _rope_err(case: Case, *, interpret: bool) -> float:
     inv_freq = 1.0 / (500000.0 ** (jnp.arange(case.Dh // 2, dtype=jnp.float32) * 2 / case.Dh))
     positions = args["cached_len"]
     ours = paged_decode_attention_qkv(
-        qkv, positions, inv_freq, args["k_pages"], args["v_pages"], args["pages"], args["cached_len"],
-        n_heads=case.H, interpret=interpret,
+        qkv,
+        positions,
+        inv_freq,
+        args["k_pages"],
+        args["v_pages"],
+        args["pages"],
+        args["cached_len"],
+        n_heads=case.H,
+        interpret=interpret,
     )
     k_rotated = apply_rope(args["k_new"].astype(dt), positions, inv_freq)
     if case.kv_dtype is not None:  # the kernel attends to the fresh key as the cache will hold it
@@ -199,12 +210,16 @@ def _layer_loop_table(*, interpret: bool, reps: int, small: bool) -> None:
     # Everything goes in as jit arguments: closed-over arrays would be baked in as constants.
     variants = {
         "kernel, stack + layer": lambda q, i, ks, vs, small: paged_decode_attention(
-            q, *small[:2], ks, vs, *small[2:], layer=i, interpret=interpret),
+            q, *small[:2], ks, vs, *small[2:], layer=i, interpret=interpret
+        ),
         "kernel, kv[i] slice": lambda q, i, ks, vs, small: paged_decode_attention(
-            q, *small[:2], ks[i], vs[i], *small[2:], interpret=interpret),
+            q, *small[:2], ks[i], vs[i], *small[2:], interpret=interpret
+        ),
         "reference, kv[i]": lambda q, i, ks, vs, small: _reference(q, *small[:2], ks[i], vs[i], *small[2:]),
     }
-    print(f"\nlayer loop: scan over {L} layers, W={W}, bucket {n} pages, ctx {ctx} ({jnp.dtype(dt).name}); ms per layer")
+    print(
+        f"\nlayer loop: scan over {L} layers, W={W}, bucket {n} pages, ctx {ctx} ({jnp.dtype(dt).name}); ms per layer"
+    )
     small_args = (k_new, v_new, pages, cached)
     for name, attend in variants.items():
 
@@ -258,10 +273,14 @@ def _sweep(cases: list[Case], *, interpret: bool, reps: int, budget_s: float, wi
             results.append((t, knobs, _needed_bytes(case, args["cached_len"]) / t / 1e9, err))
         if results and not results[0][1]:
             t, _, gbps, err = results[0]
-            print(f"  {case.name:9s} W={case.W:3d} n={case.n_ctx_pages:4d} {t * 1e3:8.4f} ms {gbps:7.0f} GB/s err={err:.1e} (defaults)")
+            print(
+                f"  {case.name:9s} W={case.W:3d} n={case.n_ctx_pages:4d} {t * 1e3:8.4f} ms {gbps:7.0f} GB/s err={err:.1e} (defaults)"
+            )
         results.sort(key=lambda r: r[0])
         for t, knobs, gbps, err in results[:5]:
-            print(f"  {case.name:9s} W={case.W:3d} n={case.n_ctx_pages:4d} {t * 1e3:8.4f} ms {gbps:7.0f} GB/s err={err:.1e} {knobs}")
+            print(
+                f"  {case.name:9s} W={case.W:3d} n={case.n_ctx_pages:4d} {t * 1e3:8.4f} ms {gbps:7.0f} GB/s err={err:.1e} {knobs}"
+            )
 
 
 def main() -> int:
@@ -272,24 +291,37 @@ def main() -> int:
     parser.add_argument("--no-layer-loop", action="store_true", help="skip the 32-layer scan table (8.6 GB of cache)")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's tuning knobs")
     parser.add_argument("--sweep-budget", type=float, default=300.0, help="seconds the sweep may take")
-    parser.add_argument("--sweep-wide", default=None, metavar="W:CTX[,W:CTX]",
-                        help="sweep only these 8B shapes (bf16 and 8-bit pools), over the wide knob grid")
+    parser.add_argument(
+        "--sweep-wide",
+        default=None,
+        metavar="W:CTX[,W:CTX]",
+        help="sweep only these 8B shapes (bf16 and 8-bit pools), over the wide knob grid",
+    )
     args = parser.parse_args()
     reps = 3 if args.interpret else args.reps
     if args.sweep_wide:
         shapes = [tuple(int(x) for x in item.split(":")) for item in args.sweep_wide.split(",")]
-        wide = [Case(name, W, 32, 8, 128, 136, ctx, kv_dtype=kv) for W, ctx in shapes
-                for name, kv in (("8B", None), ("8B fp8", "float8_e4m3fn"))]
+        wide = [
+            Case(name, W, 32, 8, 128, 136, ctx, kv_dtype=kv)
+            for W, ctx in shapes
+            for name, kv in (("8B", None), ("8B fp8", "float8_e4m3fn"))
+        ]
         if args.small:
             wide = [dataclasses.replace(c, H=4, K=2, Dh=32, n_ctx_pages=8, ctx=100) for c in wide]
         _sweep(wide, interpret=args.interpret, reps=reps, budget_s=args.sweep_budget, wide=True)
         return 0
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), interpret={args.interpret}")
-    print(f"ms per call: 'in jit' = {CHAIN} chained calls in one jit / {CHAIN} (as in the forward); "
-          "'call' = one jitted call from Python (dispatch included). GB/s = live K/V bytes / kernel in-jit time.")
-    header = (f"{'case':9s} {'dtype':8s} {'W':>3s} {'bucket':>6s} {'ctx':>5s} {'rel err':>8s} {'kernel':>8s} {'ref':>8s} "
-              f"{'speedup':>7s} {'GB/s':>6s} {'call k':>8s} {'call ref':>8s}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), interpret={args.interpret}"
+    )
+    print(
+        f"ms per call: 'in jit' = {CHAIN} chained calls in one jit / {CHAIN} (as in the forward); "
+        "'call' = one jitted call from Python (dispatch included). GB/s = live K/V bytes / kernel in-jit time."
+    )
+    header = (
+        f"{'case':9s} {'dtype':8s} {'W':>3s} {'bucket':>6s} {'ctx':>5s} {'rel err':>8s} {'kernel':>8s} {'ref':>8s} "
+        f"{'speedup':>7s} {'GB/s':>6s} {'call k':>8s} {'call ref':>8s}"
+    )
     print(header)
     failed = False
     cases = _cases(args.small)
@@ -311,8 +343,10 @@ def main() -> int:
         err = _rope_err(case, interpret=args.interpret)
         bad = not err <= _tolerance(case.dtype)
         failed |= bad
-        print(f"{case.name:9s} {case.dtype:8s} {case.W:3d} {case.n_ctx_pages:6d}: fused q/k/v input with RoPE, "
-              f"rel err {err:.1e}" + ("  MISMATCH" if bad else ""))
+        print(
+            f"{case.name:9s} {case.dtype:8s} {case.W:3d} {case.n_ctx_pages:6d}: fused q/k/v input with RoPE, "
+            f"rel err {err:.1e}" + ("  MISMATCH" if bad else "")
+        )
     if not args.no_layer_loop:
         try:
             _layer_loop_table(interpret=args.interpret, reps=reps, small=args.small)

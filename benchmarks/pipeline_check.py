@@ -35,8 +35,14 @@ def main() -> None:
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=False)
     params = layout_params(dummy_params(cfg, dtype=opts.dtype), False, consume=True)
-    config = EngineConfig(max_slots=1, kv_bytes=200 * kv_bytes_per_page(cfg, 16, opts), max_seq_len=2048,
-                          chunk_buckets=(1024,), min_ctx_pages=64, decode_steps_per_call=8)
+    config = EngineConfig(
+        max_slots=1,
+        kv_bytes=200 * kv_bytes_per_page(cfg, 16, opts),
+        max_seq_len=2048,
+        chunk_buckets=(1024,),
+        min_ctx_pages=64,
+        decode_steps_per_call=8,
+    )
     eng = Engine(cfg, params, eos_ids=[], config=config, options=opts)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len).tolist()
 
@@ -58,8 +64,11 @@ def main() -> None:
         once(behind)  # compile / warm
         runs = [once(behind) for _ in range(5)]
         lau, f, tot = (statistics.median(r[i] for r in runs) * 1e3 for i in range(3))
-        print(f"decode call launched behind={behind!s:5}: launches returned after "
-              f"{lau:.1f} ms, first token collected after {f:.1f} ms (both rounds {tot:.1f} ms)", flush=True)
+        print(
+            f"decode call launched behind={behind!s:5}: launches returned after "
+            f"{lau:.1f} ms, first token collected after {f:.1f} ms (both rounds {tot:.1f} ms)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -29,11 +29,19 @@ from jaxllm.runtime_options import RuntimeOptions
 
 def summarize(trace_path: str, n_steps: int, top: int) -> None:
     events = json.load(gzip.open(trace_path))["traceEvents"]
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = [e for e in events if e.get("ph") == "X" and "/device:GPU" in procs.get(e["pid"], "")
-              and "Stream" in names.get((e["pid"], e.get("tid")), "Stream")]
+    device = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and "/device:GPU" in procs.get(e["pid"], "")
+        and "Stream" in names.get((e["pid"], e.get("tid")), "Stream")
+    ]
     if not device:
         print("no device events found; processes:", sorted(set(procs.values()))[:20])
         return
@@ -44,8 +52,10 @@ def summarize(trace_path: str, n_steps: int, top: int) -> None:
         count[e["name"]] += 1
     busy = sum(total.values())
     span = max(e["ts"] + e["dur"] for e in device) - min(e["ts"] for e in device)
-    print(f"device events: {len(device) / n_steps:.0f} per step; busy {busy / n_steps:.1f} us/step; "
-          f"span {span / n_steps:.1f} us/step (busy {busy / span:.0%})")
+    print(
+        f"device events: {len(device) / n_steps:.0f} per step; busy {busy / n_steps:.1f} us/step; "
+        f"span {span / n_steps:.1f} us/step (busy {busy / span:.0%})"
+    )
     for name, us in total.most_common(top):
         print(f"{us / n_steps:9.1f} us/step {count[name] / n_steps:6.1f}x  {name[:110]}")
 
@@ -63,8 +73,9 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config_json(args.config)
-    opts = RuntimeOptions(dtype=args.dtype, scan_layers=False, decode_matmul=args.decode_matmul,
-                          sampler_branches=args.sampler_branches)
+    opts = RuntimeOptions(
+        dtype=args.dtype, scan_layers=False, decode_matmul=args.decode_matmul, sampler_branches=args.sampler_branches
+    )
     params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers, consume=True)
     eng = engine_for(cfg, opts, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
     prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)

@@ -46,8 +46,13 @@ class Report:
         return len(self.server_errors)
 
     def summary(self) -> dict[str, Any]:
-        return {"requests": self.requests, "5xx": self.count_5xx, "seconds": round(self.seconds, 1),
-                "statuses": dict(sorted(self.statuses.items())), "first_5xx": self.server_errors[:5]}
+        return {
+            "requests": self.requests,
+            "5xx": self.count_5xx,
+            "seconds": round(self.seconds, 1),
+            "statuses": dict(sorted(self.statuses.items())),
+            "first_5xx": self.server_errors[:5],
+        }
 
 
 def _stream_error(resp: Any) -> str | None:
@@ -56,15 +61,22 @@ def _stream_error(resp: Any) -> str | None:
     if not (kind[0] if isinstance(kind, list) else kind).startswith("text/event-stream"):  # schemathesis: lists
         return None
     for line in resp.text.splitlines():
-        if line.startswith("data: {\"error\""):
+        if line.startswith('data: {"error"'):
             kind = json.loads(line[6:])["error"].get("type")
             if kind in ("server_error", "service_unavailable"):
                 return kind
     return None
 
 
-def fuzz(base: str, *, total: int, api_key: str | None = None, seed: int = 0, timeout: float = 60.0,
-         deadline: float | None = None) -> Report:
+def fuzz(
+    base: str,
+    *,
+    total: int,
+    api_key: str | None = None,
+    seed: int = 0,
+    timeout: float = 60.0,
+    deadline: float | None = None,
+) -> Report:
     """Sends about `total` generated requests, split over the operations by weight and between
     schema-valid and schema-violating bodies; stops early at `deadline` (time.monotonic)."""
     doc = requests.get(f"{base}/openapi.json", timeout=30).json()
@@ -85,10 +97,17 @@ def fuzz(base: str, *, total: int, api_key: str | None = None, seed: int = 0, ti
         report.statuses[resp.status_code] += 1
         in_stream = _stream_error(resp) if resp.status_code == 200 else None
         if resp.status_code >= 500 or in_stream:
-            report.server_errors.append({"operation": case.operation.label, "status": resp.status_code,
-                                         "stream_error": in_stream, "body": case.body if case.body is not None
-                                         and not isinstance(case.body, bytes) else repr(case.body)[:500],
-                                         "response": resp.text[:500]})
+            report.server_errors.append(
+                {
+                    "operation": case.operation.label,
+                    "status": resp.status_code,
+                    "stream_error": in_stream,
+                    "body": case.body
+                    if case.body is not None and not isinstance(case.body, bytes)
+                    else repr(case.body)[:500],
+                    "response": resp.text[:500],
+                }
+            )
 
     # Rounds until the budget is spent: hypothesis stops an operation early once it has run out
     # of distinct inputs, so the rest goes to the next round with a fresh seed.
@@ -101,9 +120,15 @@ def fuzz(base: str, *, total: int, api_key: str | None = None, seed: int = 0, ti
                 n = min(left, max(1, round(unit * weights[op.label])))
                 if n <= 0:
                     break
-                run = hypothesis.seed(rng.getrandbits(64))(settings(
-                    max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-                    suppress_health_check=list(HealthCheck))(given(case=op.as_strategy(generation_mode=mode))(send)))
+                run = hypothesis.seed(rng.getrandbits(64))(
+                    settings(
+                        max_examples=n,
+                        deadline=None,
+                        database=None,
+                        phases=[Phase.generate],
+                        suppress_health_check=list(HealthCheck),
+                    )(given(case=op.as_strategy(generation_mode=mode))(send))
+                )
                 try:
                     run()
                 except Exception as e:  # noqa: BLE001 - e.g. a schema no invalid body can violate
@@ -183,8 +208,10 @@ def main() -> int:
         a.max_slots = 4
         from tests.serving.launch import running_server
 
-        with tempfile.TemporaryDirectory() as tmp, running_server(["tests.serving.tiny_server"], Path(tmp),
-                                                                  TINY_CONFIG) as s:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            running_server(["tests.serving.tiny_server"], Path(tmp), TINY_CONFIG) as s,
+        ):
             return _run(s["base"], a)
     if not a.base:
         p.error("--base URL or --tiny")
@@ -200,8 +227,12 @@ def _run(base: str, a: argparse.Namespace) -> int:
     after = greedy_tokens(base, a.api_key, model["id"])
     state = idle_state(base, a.api_key)
     problems = check_idle(state, a.max_slots)
-    out = {**report.summary(), "greedy_same": before == after, "idle_problems": problems,
-           "requests_state": state["requests"]}
+    out = {
+        **report.summary(),
+        "greedy_same": before == after,
+        "idle_problems": problems,
+        "requests_state": state["requests"],
+    }
     print(json.dumps(out, indent=1, default=str))
     return 0 if report.count_5xx == 0 and before == after and not problems else 1
 

@@ -38,13 +38,24 @@ import requests
 
 from benchmarks.schemathesis_run import check_idle, idle_state
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-           "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}}]
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}}
+]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 CLEAR_ERRORS = {400, 404, 408, 409, 413, 429, 499, 503}
 WORDS = "the a river city model token cache light stone paper green quick slow north".split()
 
@@ -56,8 +67,7 @@ class Failure(Exception):
 class Client:
     """One soak client: a requests session and the checks of each kind of request."""
 
-    def __init__(self, base: str, key: str | None, model: str, max_tokens: int, rng: random.Random,
-                 greedy: str | None):
+    def __init__(self, base: str, key: str | None, model: str, max_tokens: int, rng: random.Random, greedy: str | None):
         self.base, self.model, self.max_tokens, self.rng, self.greedy = base, model, max_tokens, rng, greedy
         self.key = key
         self.s = requests.Session()
@@ -128,22 +138,38 @@ class Client:
 
     # ---- the kinds of request --------------------------------------------------------------
     def completion(self) -> str:
-        body = {"model": self.model, "prompt": self._prompt(self.rng.randint(3, 60)), "max_tokens": self.max_tokens,
-                "n": self.rng.choice([1, 1, 2]), "temperature": self.rng.choice([0, 0.7, 1.0]), "seed": 7}
+        body = {
+            "model": self.model,
+            "prompt": self._prompt(self.rng.randint(3, 60)),
+            "max_tokens": self.max_tokens,
+            "n": self.rng.choice([1, 1, 2]),
+            "temperature": self.rng.choice([0, 0.7, 1.0]),
+            "seed": 7,
+        }
         if self.rng.random() < 0.5:
             return self._stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})[0]
         return self._json_response("/v1/completions", body)[0]
 
     def chat(self) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": self._prompt(self.rng.randint(2, 40))}],
-                "max_tokens": self.max_tokens, "temperature": 0.8}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": self._prompt(self.rng.randint(2, 40))}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.8,
+        }
         if self.rng.random() < 0.5:
             return self._stream("/v1/chat/completions", body)[0]
         return self._json_response("/v1/chat/completions", body)[0]
 
     def tools(self) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": "Weather in " + self._prompt(2) + "?"}],
-                "tools": TOOLS, "tool_choice": "required", "max_tokens": max(self.max_tokens, 40), "temperature": 0.5}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "Weather in " + self._prompt(2) + "?"}],
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "max_tokens": max(self.max_tokens, 40),
+            "temperature": 0.5,
+        }
         outcome, out = self._json_response("/v1/chat/completions", body)
         if out is not None and out["choices"][0]["finish_reason"] == "tool_calls":
             for call in out["choices"][0]["message"]["tool_calls"]:
@@ -153,17 +179,25 @@ class Client:
         return outcome
 
     def structured(self) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": "A person as JSON: " + self._prompt(3)}],
-                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
-                "max_tokens": max(self.max_tokens, 48), "temperature": 0.7}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "A person as JSON: " + self._prompt(3)}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+            "max_tokens": max(self.max_tokens, 48),
+            "temperature": 0.7,
+        }
         outcome, out = self._json_response("/v1/chat/completions", body)
         if out is not None and out["choices"][0]["finish_reason"] == "stop":
             jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), PERSON)
         return outcome
 
     def session(self) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": self._prompt(8)}],
-                "max_tokens": self.max_tokens, "session": "new"}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": self._prompt(8)}],
+            "max_tokens": self.max_tokens,
+            "session": "new",
+        }
         r = self._post("/v1/chat/completions", body)
         if r.status_code != 200:
             return self._clear_error(r)
@@ -171,8 +205,10 @@ class Client:
         if not sid:
             raise Failure("no x-session-id for session: new")
         try:
-            r2 = self._post("/v1/chat/completions", {**body, "session": sid,
-                                                     "messages": [{"role": "user", "content": self._prompt(4)}]})
+            r2 = self._post(
+                "/v1/chat/completions",
+                {**body, "session": sid, "messages": [{"role": "user", "content": self._prompt(4)}]},
+            )
             if r2.status_code != 200:
                 return self._clear_error(r2)
             got = self.s.get(f"{self.base}/v1/sessions/{sid}", timeout=60)
@@ -194,15 +230,19 @@ class Client:
 
     def disconnect(self) -> str:
         phase = self.rng.choice(["headers", "body", "queued", "prefill", "stream"])
-        body = {"model": self.model, "prompt": self._prompt(300 if phase == "prefill" else 20),
-                "max_tokens": self.max_tokens}
+        body = {
+            "model": self.model,
+            "prompt": self._prompt(300 if phase == "prefill" else 20),
+            "max_tokens": self.max_tokens,
+        }
         if phase == "stream":
             return self._stream("/v1/completions", body, hang_up_after=self.rng.randint(0, 6))[0]
         raw = json.dumps(body).encode()
         u = urlparse(self.base)
-        head = (f"POST /v1/completions HTTP/1.1\r\nhost: {u.hostname}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(raw)}\r\n" + (f"authorization: Bearer {self.key}\r\n" if self.key else "")
-                + "\r\n").encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nhost: {u.hostname}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(raw)}\r\n" + (f"authorization: Bearer {self.key}\r\n" if self.key else "") + "\r\n"
+        ).encode()
         with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
             if phase == "headers":
                 sock.sendall(head[: self.rng.randint(1, len(head) - 1)])
@@ -215,8 +255,11 @@ class Client:
 
 
 def greedy_text(s: requests.Session, base: str, model: str) -> str:
-    r = s.post(base + "/v1/completions", json={"model": model, "prompt": "The capital of France is", "max_tokens": 8,
-                                               "temperature": 0}, timeout=300)
+    r = s.post(
+        base + "/v1/completions",
+        json={"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        timeout=300,
+    )
     r.raise_for_status()
     return r.json()["choices"][0]["text"]
 
@@ -240,8 +283,17 @@ def metrics_values(base: str) -> dict[str, float]:
     return out
 
 
-def run_phase(base: str, key: str | None, model: str, *, clients: int, seconds: float, max_tokens: int, seed: int,
-              greedy: str | None) -> tuple[collections.Counter, list[str], int]:
+def run_phase(
+    base: str,
+    key: str | None,
+    model: str,
+    *,
+    clients: int,
+    seconds: float,
+    max_tokens: int,
+    seed: int,
+    greedy: str | None,
+) -> tuple[collections.Counter, list[str], int]:
     """`clients` threads loop over the request kinds for `seconds`; returns outcome counts,
     failures and greedy mismatches seen under load."""
     outcomes: collections.Counter = collections.Counter()
@@ -258,8 +310,14 @@ def run_phase(base: str, key: str | None, model: str, *, clients: int, seconds: 
             kind = rng.choices(kinds, weights)[0]
             try:
                 outcome = getattr(c, kind)()
-            except (Failure, jsonschema.ValidationError, json.JSONDecodeError, KeyError, requests.RequestException,
-                    OSError) as e:
+            except (
+                Failure,
+                jsonschema.ValidationError,
+                json.JSONDecodeError,
+                KeyError,
+                requests.RequestException,
+                OSError,
+            ) as e:
                 outcome = "FAILED"
                 with lock:
                     failures.append(f"{kind}: {type(e).__name__}: {e}"[:400])
@@ -273,16 +331,27 @@ def run_phase(base: str, key: str | None, model: str, *, clients: int, seconds: 
     return outcomes, failures, mismatches[0]
 
 
-def soak(base: str, pid: int | None, *, key: str | None, clients: int, minutes: float, warmup_seconds: float,
-         max_tokens: int, max_slots: int | None, seed: int) -> dict[str, Any]:
+def soak(
+    base: str,
+    pid: int | None,
+    *,
+    key: str | None,
+    clients: int,
+    minutes: float,
+    warmup_seconds: float,
+    max_tokens: int,
+    max_slots: int | None,
+    seed: int,
+) -> dict[str, Any]:
     s = requests.Session()
     if key:
         s.headers["authorization"] = f"Bearer {key}"
     model = s.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
     greedy = greedy_text(s, base, model)
     # Warm-up: the same traffic, so first-use allocations (grammars, buffers, caches) are in the baseline.
-    run_phase(base, key, model, clients=clients, seconds=warmup_seconds, max_tokens=max_tokens, seed=seed + 1,
-              greedy=greedy)
+    run_phase(
+        base, key, model, clients=clients, seconds=warmup_seconds, max_tokens=max_tokens, seed=seed + 1, greedy=greedy
+    )
     state0 = idle_state(base, key, timeout=120)
     rss0 = rss_bytes(pid) if pid else None
     started = time.monotonic()
@@ -295,15 +364,20 @@ def soak(base: str, pid: int | None, *, key: str | None, clients: int, minutes: 
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
-    outcomes, failures, mismatches = run_phase(base, key, model, clients=clients, seconds=minutes * 60,
-                                               max_tokens=max_tokens, seed=seed, greedy=greedy)
+    outcomes, failures, mismatches = run_phase(
+        base, key, model, clients=clients, seconds=minutes * 60, max_tokens=max_tokens, seed=seed, greedy=greedy
+    )
     sampling.set()
     elapsed = time.monotonic() - started
     state = idle_state(base, key, timeout=120)
     problems = check_idle(state, max_slots)
     m = metrics_values(base)
-    for gauge in ("jaxllm_active_requests", "jaxllm_reserved_state_bytes", "jaxllm_reserved_pages",
-                  "jaxllm_queued_requests"):
+    for gauge in (
+        "jaxllm_active_requests",
+        "jaxllm_reserved_state_bytes",
+        "jaxllm_reserved_pages",
+        "jaxllm_queued_requests",
+    ):
         if m.get(gauge, 0.0) != 0.0:
             problems.append(f"/metrics {gauge} = {m[gauge]}")
     if state["sessions"]["active"] > state0["sessions"]["active"]:  # every client deletes its sessions
@@ -315,17 +389,28 @@ def soak(base: str, pid: int | None, *, key: str | None, clients: int, minutes: 
     if after != greedy:
         problems.append(f"greedy text changed: {greedy!r} -> {after!r}")
     result: dict[str, Any] = {
-        "clients": clients, "minutes": round(elapsed / 60, 2), "requests": sum(outcomes.values()),
-        "failed": len(failures), "outcomes": dict(sorted(outcomes.items())), "first_failures": failures[:10],
-        "greedy_mismatches_under_load": mismatches, "server_totals": state["requests"], "idle_problems": problems,
+        "clients": clients,
+        "minutes": round(elapsed / 60, 2),
+        "requests": sum(outcomes.values()),
+        "failed": len(failures),
+        "outcomes": dict(sorted(outcomes.items())),
+        "first_failures": failures[:10],
+        "greedy_mismatches_under_load": mismatches,
+        "server_totals": state["requests"],
+        "idle_problems": problems,
         "compilations_during_soak": state["compilations"] - state0["compilations"],
     }
     if rss0 is not None:
         rss1 = rss_bytes(pid)
         cache_growth = state["prefix_cache"]["bytes"] - state0["prefix_cache"]["bytes"]
         excess = (rss1 - rss0 - max(cache_growth, 0)) / rss0
-        result.update(rss_before_mib=round(rss0 / 2**20, 1), rss_after_mib=round(rss1 / 2**20, 1), rss_series_mib=rss_series,
-                      prefix_cache_growth_mib=round(cache_growth / 2**20, 1), rss_excess_growth=round(excess, 4))
+        result.update(
+            rss_before_mib=round(rss0 / 2**20, 1),
+            rss_after_mib=round(rss1 / 2**20, 1),
+            rss_series_mib=rss_series,
+            prefix_cache_growth_mib=round(cache_growth / 2**20, 1),
+            rss_excess_growth=round(excess, 4),
+        )
         if excess >= 0.05:
             problems.append(f"RSS grew {excess:.1%} beyond the prefix cache's growth")
     result["ok"] = not failures and not problems
@@ -375,8 +460,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    kw = dict(clients=a.clients, minutes=a.minutes, warmup_seconds=a.warmup_seconds, max_tokens=a.max_tokens,
-              seed=a.seed)
+    kw = dict(
+        clients=a.clients, minutes=a.minutes, warmup_seconds=a.warmup_seconds, max_tokens=a.max_tokens, seed=a.seed
+    )
     if a.base:
         result = soak(a.base, a.pid, key=a.api_key, max_slots=a.max_slots, **kw)
     else:
@@ -388,8 +474,16 @@ def main() -> int:
         else:
             from jaxllm.loading.default_model import default_model_path
 
-            args = ["serving.cli", "serve", "--model", str(default_model_path()), "--served-model-name", "smollm2",
-                    "--api-key", key]
+            args = [
+                "serving.cli",
+                "serve",
+                "--model",
+                str(default_model_path()),
+                "--served-model-name",
+                "smollm2",
+                "--api-key",
+                key,
+            ]
             config = DEFAULT_CONFIG
         with tempfile.TemporaryDirectory() as tmp, running_server(args, Path(tmp), config, health_timeout=600) as s:
             result = soak(s["base"], s["proc"].pid, key=key, max_slots=8, **kw)

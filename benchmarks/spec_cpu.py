@@ -55,10 +55,12 @@ def main() -> None:
             outputs[k], rates[k] = run(engine, prompt, params)
         same = outputs[0] == outputs[args.drafts]
         stats = engines[args.drafts].draft_stats
-        print(f"{name}: {len(outputs[0])} tokens, decode {rates[0]:.1f} tok/s without drafts, "
-              f"{rates[args.drafts]:.1f} with {args.drafts} ({rates[args.drafts] / rates[0]:.2f}x); "
-              f"same tokens: {same}; acceptance by position {[round(a, 2) if a is not None else None for a in stats.acceptance()]}",
-              flush=True)
+        print(
+            f"{name}: {len(outputs[0])} tokens, decode {rates[0]:.1f} tok/s without drafts, "
+            f"{rates[args.drafts]:.1f} with {args.drafts} ({rates[args.drafts] / rates[0]:.2f}x); "
+            f"same tokens: {same}; acceptance by position {[round(a, 2) if a is not None else None for a in stats.acceptance()]}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

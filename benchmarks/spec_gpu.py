@@ -104,11 +104,13 @@ def main() -> None:
         verify_s, emitted = rounds_per_second(eng, 20)  # emitted: tokens a round
         ratio = verify_s / plain_s
         gains = {a: (1 - a ** (k + 1)) / (1 - a) / ratio for a in (0.6, 0.8)}
-        print(f"VERIFY {name} batch 1: plain step {plain_s * 1e3:.2f} ms (1 step a call; {multi_s * 1e3:.2f} ms at "
-              f"{args.steps} a call), verify 1+{k} {verify_s * 1e3:.2f} ms ({emitted:.2f} tokens a round): "
-              f"{ratio:.2f}x a plain step; speed-up at 60% / 80% acceptance {gains[0.6]:.2f}x / {gains[0.8]:.2f}x "
-              f"(against {args.steps}-step calls: {gains[0.6] * multi_s / plain_s:.2f}x / {gains[0.8] * multi_s / plain_s:.2f}x)",
-              flush=True)
+        print(
+            f"VERIFY {name} batch 1: plain step {plain_s * 1e3:.2f} ms (1 step a call; {multi_s * 1e3:.2f} ms at "
+            f"{args.steps} a call), verify 1+{k} {verify_s * 1e3:.2f} ms ({emitted:.2f} tokens a round): "
+            f"{ratio:.2f}x a plain step; speed-up at 60% / 80% acceptance {gains[0.6]:.2f}x / {gains[0.8]:.2f}x "
+            f"(against {args.steps}-step calls: {gains[0.6] * multi_s / plain_s:.2f}x / {gains[0.8] * multi_s / plain_s:.2f}x)",
+            flush=True,
+        )
         eng = None
 
     if "wide" in args.cases.split(","):
@@ -121,8 +123,11 @@ def main() -> None:
                 eng.step()
             s, emitted = rounds_per_second(eng, 24)
             rates[drafts] = emitted / s
-            print(f"WIDE {name} {args.wide} concurrent, max_drafts={drafts}: {rates[drafts]:.0f} output tok/s "
-                  f"({s * 1e3:.2f} ms a round)", flush=True)
+            print(
+                f"WIDE {name} {args.wide} concurrent, max_drafts={drafts}: {rates[drafts]:.0f} output tok/s "
+                f"({s * 1e3:.2f} ms a round)",
+                flush=True,
+            )
             eng = None
         print(f"WIDE {name}: drafting costs {(1 - rates[k] / rates[0]) * 100:.1f}% of throughput", flush=True)
 

@@ -1,8 +1,8 @@
 """The small API a notebook or script uses: load a model, generate, inspect logits.
 
-    model = jaxllm.load("smollm2")
-    out = model.generate(["Hello"], jaxllm.SamplingParams(temperature=0, max_tokens=20))
-    model.next_token_distribution(model.chat_ids([{"role": "user", "content": "Hi"}]))
+model = jaxllm.load("smollm2")
+out = model.generate(["Hello"], jaxllm.SamplingParams(temperature=0, max_tokens=20))
+model.next_token_distribution(model.chat_ids([{"role": "user", "content": "Hi"}]))
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ class Model:
     generation_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def engine(self, config: EngineConfig | None = None) -> Engine:
-        return Engine(self.cfg, self.params, eos_ids=self.tokenizer.eos_ids, config=config or EngineConfig(),
-                      options=self.options)
+        return Engine(
+            self.cfg, self.params, eos_ids=self.tokenizer.eos_ids, config=config or EngineConfig(), options=self.options
+        )
 
     def save(self, path: str) -> None:
         """Writes an orbax model directory with the tokenizer, chat template and generation
@@ -68,7 +69,11 @@ class Model:
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         longest = max(len(i) for i in ids) + params.max_tokens
         engine = engine or self.engine(
-            EngineConfig(max_slots=max(1, len(ids)), max_seq_len=round_up(longest, 64), kv_bytes=kv_bytes(self.cfg, len(ids), longest, opts=self.options))
+            EngineConfig(
+                max_slots=max(1, len(ids)),
+                max_seq_len=round_up(longest, 64),
+                kv_bytes=kv_bytes(self.cfg, len(ids), longest, opts=self.options),
+            )
         )
         pending = list(enumerate(ids))
         running: dict[int, EngineSequence] = {}
@@ -117,7 +122,9 @@ class Model:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts"))
-def prompt_logits(params: Params, cfg: ModelConfig, ids: jax.Array, opts: RuntimeOptions = RuntimeOptions()) -> jax.Array:
+def prompt_logits(
+    params: Params, cfg: ModelConfig, ids: jax.Array, opts: RuntimeOptions = RuntimeOptions()
+) -> jax.Array:
     """Logits of every position of one prompt, computed through a one-slot paged state."""
     from jaxllm.attention.reference import Windows
     from jaxllm.model.forward import TokenBatch, forward
@@ -140,8 +147,9 @@ def prompt_logits(params: Params, cfg: ModelConfig, ids: jax.Array, opts: Runtim
     if cfg.is_hybrid:
         from jaxllm.model.hybrid import hybrid_forward
 
-        hidden, *_ = hybrid_forward(params, cfg, batch, state.kv, state.recurrent, page_table, opts=opts,
-                                    chunk_len=T, n_ctx_pages=n_pages)
+        hidden, *_ = hybrid_forward(
+            params, cfg, batch, state.kv, state.recurrent, page_table, opts=opts, chunk_len=T, n_ctx_pages=n_pages
+        )
     else:
         hidden, _, _ = forward(params, cfg, batch, state.kv, page_table, opts=opts, chunk_len=T, n_ctx_pages=n_pages)
     return lm_head(params, hidden)
@@ -164,8 +172,13 @@ def load(
     """
     options = RuntimeOptions(dtype=dtype, scan_layers=scan_layers, kv_dtype=kv_dtype, **debug_overrides())
     cfg, params = load_model(model, fmt=load_format, options=options, config_path=config_path)
-    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(model, load_format, cfg), options=options,
-                 generation_defaults=load_generation_defaults(model, load_format))
+    return Model(
+        cfg=cfg,
+        params=params,
+        tokenizer=load_tokenizer(model, load_format, cfg),
+        options=options,
+        generation_defaults=load_generation_defaults(model, load_format),
+    )
 
 
 def load_generation_defaults(model: str, load_format: str) -> dict[str, float]:

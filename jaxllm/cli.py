@@ -23,22 +23,40 @@ def _version() -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file, an HF or orbax directory, or a configs/*.json preset with --load-format dummy")
-    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "orbax", "dummy"],
-                   help="weights' format (auto: from the path); dummy = random weights at the preset's shapes")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2, a .gguf file, an HF or orbax directory, or a configs/*.json preset with --load-format dummy",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "gguf", "safetensors", "orbax", "dummy"],
+        help="weights' format (auto: from the path); dummy = random weights at the preset's shapes",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute and weight dtype")
     p.add_argument("--unroll-layers", action="store_true", help="unrolled layers (faster on GPU, slower compile)")
-    p.add_argument("--kv-cache-dtype", default="auto", type=_kv_dtype, metavar="{auto,fp8}",
-                   help="K/V cache element type: auto = the model's dtype; fp8 (float8_e4m3fn) halves a bfloat16 "
-                        "cache's bytes and decode reads; the rounding changes outputs (docs/benchmarks.md)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        type=_kv_dtype,
+        metavar="{auto,fp8}",
+        help="K/V cache element type: auto = the model's dtype; fp8 (float8_e4m3fn) halves a bfloat16 "
+        "cache's bytes and decode reads; the rounding changes outputs (docs/benchmarks.md)",
+    )
 
 
 def load_from_args(args: argparse.Namespace) -> Model:
     """The model that `add_model_args`' options name."""
     from jaxllm.api import load
 
-    return load(args.model, load_format=args.load_format, dtype=args.dtype, scan_layers=not args.unroll_layers,
-                kv_dtype=args.kv_cache_dtype)
+    return load(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        scan_layers=not args.unroll_layers,
+        kv_dtype=args.kv_cache_dtype,
+    )
 
 
 def _kv_dtype(name: str) -> str:
@@ -78,15 +96,22 @@ def run_generate(args: argparse.Namespace) -> int:
     (out,) = model.generate([ids], params)
     elapsed = time.perf_counter() - started
     if args.json:
-        print(json.dumps({
-            "prompt_token_ids": out.prompt_token_ids,
-            "token_ids": out.token_ids,
-            "text": out.text,
-            "finish_reason": out.finish_reason,
-        }))
+        print(
+            json.dumps(
+                {
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "token_ids": out.token_ids,
+                    "text": out.text,
+                    "finish_reason": out.finish_reason,
+                }
+            )
+        )
     else:
         print(out.text)
-        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, {elapsed:.2f}s incl. compile]", file=sys.stderr)
+        print(
+            f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, {elapsed:.2f}s incl. compile]",
+            file=sys.stderr,
+        )
     return 0
 
 

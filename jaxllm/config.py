@@ -95,7 +95,13 @@ class ModelConfig:
         if FULL_ATTENTION not in self.layer_types:
             raise ValueError("a hybrid model needs at least one full_attention layer")
         if LINEAR_ATTENTION in self.layer_types:
-            dims = (self.linear_n_k_heads, self.linear_n_v_heads, self.linear_k_dim, self.linear_v_dim, self.conv_kernel)
+            dims = (
+                self.linear_n_k_heads,
+                self.linear_n_v_heads,
+                self.linear_k_dim,
+                self.linear_v_dim,
+                self.conv_kernel,
+            )
             if min(dims) < 1:
                 raise ValueError("linear-attention layers need positive linear_* head counts, dims and conv_kernel")
             if self.linear_n_v_heads % self.linear_n_k_heads:
@@ -114,7 +120,9 @@ class ModelConfig:
     def layer_period(self) -> int:
         """Length of the smallest repeating group of `layer_types` (1 for uniform models)."""
         n = len(self.layer_types)
-        return next((p for p in range(1, n + 1) if n % p == 0 and self.layer_types[:p] * (n // p) == self.layer_types), 1)
+        return next(
+            (p for p in range(1, n + 1) if n % p == 0 and self.layer_types[:p] * (n // p) == self.layer_types), 1
+        )
 
     @property
     def n_kv_layers(self) -> int:

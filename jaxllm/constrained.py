@@ -114,8 +114,11 @@ def _rebase_refs(node: Any, base: str) -> Any:
     """A copy of a schema with each local `$ref` ("#..." ) moved under the pointer `base`."""
     if isinstance(node, Mapping):
         return {
-            k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
-            else v if k in _DATA_KEYWORDS else _rebase_refs(v, base)
+            k: base + v[1:]
+            if k == "$ref" and isinstance(v, str) and v.startswith("#")
+            else v
+            if k in _DATA_KEYWORDS
+            else _rebase_refs(v, base)
             for k, v in node.items()
         }
     if isinstance(node, list):

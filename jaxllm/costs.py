@@ -34,12 +34,17 @@ class ModelCosts:
 
     def prefill_flops(self, prompt_len: int) -> float:
         """FLOPs of prefilling one causal prompt of `prompt_len` tokens."""
-        return (self.layer_flops_per_token * prompt_len + self.head_flops_per_token
-                + self.attention_flops_per_pair * prompt_len * prompt_len / 2)
+        return (
+            self.layer_flops_per_token * prompt_len
+            + self.head_flops_per_token
+            + self.attention_flops_per_pair * prompt_len * prompt_len / 2
+        )
 
     def decode_flops(self, context_positions: float) -> float:
         """FLOPs of one decode token attending to `context_positions` positions."""
-        return self.layer_flops_per_token + self.head_flops_per_token + self.attention_flops_per_pair * context_positions
+        return (
+            self.layer_flops_per_token + self.head_flops_per_token + self.attention_flops_per_pair * context_positions
+        )
 
 
 def model_costs(cfg: ModelConfig, params: Params, opts: RuntimeOptions) -> ModelCosts:

@@ -71,9 +71,16 @@ def load(source: Path, targets: tuple[tuple[str, str], ...]) -> ctypes.CDLL | No
         log.warning("no C++ compiler (CXX / c++): %s is not built, its jnp path is used", source.name)
         return None
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), *(h.read_bytes() for h in sorted(_HEADERS.glob("*.h"))),
-                    jaxlib.__version__.encode(), _cpu_features().encode(),
-                    " ".join(FLAGS).encode(), compiler.encode()])
+        b"\0".join(
+            [
+                source.read_bytes(),
+                *(h.read_bytes() for h in sorted(_HEADERS.glob("*.h"))),
+                jaxlib.__version__.encode(),
+                _cpu_features().encode(),
+                " ".join(FLAGS).encode(),
+                compiler.encode(),
+            ]
+        )
     ).hexdigest()[:16]
     lib_path = default_cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     try:

@@ -87,7 +87,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_drafts <= 16:
             raise ValueError(f"max_drafts must be in [0, 16], got {self.max_drafts}")
-        if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)) or self.chunk_buckets[0] < 1:
+        if (
+            not self.chunk_buckets
+            or list(self.chunk_buckets) != sorted(set(self.chunk_buckets))
+            or self.chunk_buckets[0] < 1
+        ):
             raise ValueError(f"chunk_buckets must be positive and ascending, got {list(self.chunk_buckets)}")
 
     def widths(self) -> tuple[int, ...]:
@@ -247,9 +251,16 @@ class DraftStats:
 class Engine:
     """Owns params + decode state + compiled steps; `add` / `launch` / `collect` / `remove`."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, eos_ids: Seq[int] = (), config: EngineConfig = EngineConfig(),
-                 options: RuntimeOptions = RuntimeOptions(),
-                 draft_source: Callable[[list[int], int], list[int]] = prompt_lookup):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        *,
+        eos_ids: Seq[int] = (),
+        config: EngineConfig = EngineConfig(),
+        options: RuntimeOptions = RuntimeOptions(),
+        draft_source: Callable[[list[int], int], list[int]] = prompt_lookup,
+    ):
         """`options` says how this machine runs the model (dtypes, kernels; the params must be
         in `options.dtype`). `draft_source(tokens, k)` proposes up to k tokens to follow
         `tokens` (a sequence's prompt and output so far) when `config.max_drafts` > 0."""
@@ -288,8 +299,16 @@ class Engine:
         resets and fails those sequences' requests."""
         self.state = steps.new_state(self.cfg, self.layout, self.options)
         if self.config.extra_samplers:
-            self.state = self.state.replace(sampling=self.state.sampling.replace(extra=samplers_extra.empty_extra(
-                self.config.max_slots, self.cfg.vocab_size, self.layout.max_seq_len, self.config.logits_processors)))
+            self.state = self.state.replace(
+                sampling=self.state.sampling.replace(
+                    extra=samplers_extra.empty_extra(
+                        self.config.max_slots,
+                        self.cfg.vocab_size,
+                        self.layout.max_seq_len,
+                        self.config.logits_processors,
+                    )
+                )
+            )
         self.free_slots = list(range(self.config.max_slots))
         self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence
@@ -306,8 +325,16 @@ class Engine:
         return bool(self.free_slots) and self.pages_needed(n_positions) <= len(self.free_pages)
 
     # ---- sequences in and out ---------------------------------------------------------
-    def add(self, prompt: Seq[int], params: SamplingParams, *, checkpoint: SeqCheckpoint | None = None,
-            cached_tokens: int = 0, constraint: TokenConstraint | None = None, stops: Seq[int] = ()) -> Sequence:
+    def add(
+        self,
+        prompt: Seq[int],
+        params: SamplingParams,
+        *,
+        checkpoint: SeqCheckpoint | None = None,
+        cached_tokens: int = 0,
+        constraint: TokenConstraint | None = None,
+        stops: Seq[int] = (),
+    ) -> Sequence:
         """Puts a new sequence into a free slot; `checkpoint` restores its first `cached_tokens`.
 
         `stops` are prompt positions the caller wants to `extract` a prefix at; models with
@@ -353,9 +380,18 @@ class Engine:
             raise
         self.state = state
         points = sorted({int(b) for b in stops if 0 < b < len(prompt)})
-        seq = Sequence(id=next(self._ids), slot=slot, prompt=prompt, params=params, pages=pages, seed=int(seed),
-                       constraint=constraint, extract_at=points, stops=points if self.cfg.n_linear_layers else [],
-                       drafting=self._draft_control(params, constraint))
+        seq = Sequence(
+            id=next(self._ids),
+            slot=slot,
+            prompt=prompt,
+            params=params,
+            pages=pages,
+            seed=int(seed),
+            constraint=constraint,
+            extract_at=points,
+            stops=points if self.cfg.n_linear_layers else [],
+            drafting=self._draft_control(params, constraint),
+        )
         if checkpoint is not None:
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
@@ -369,8 +405,11 @@ class Engine:
             if samplers_extra.uses_extra(params):
                 raise ValueError("this sampler needs an engine built with EngineConfig(extra_samplers=True)")
             return row
-        return row.replace(extra=samplers_extra.extra_row(params, self.cfg.vocab_size, self.layout.max_seq_len, tokens,
-                                                          self.config.logits_processors))
+        return row.replace(
+            extra=samplers_extra.extra_row(
+                params, self.cfg.vocab_size, self.layout.max_seq_len, tokens, self.config.logits_processors
+            )
+        )
 
     def _draft_control(self, params: SamplingParams, constraint: TokenConstraint | None) -> DraftControl | None:
         """Drafting for a new sequence: up to the request's `drafts` (None: the engine's
@@ -415,8 +454,10 @@ class Engine:
         if n_positions is None:
             return ckpt
         if not self.can_extract(seq, n_positions):
-            raise ValueError(f"no state of exactly {n_positions} prompt positions now (prefilled "
-                             f"{min(seq.prefilled, len(seq.prompt))}, decode steps dispatched {seq.dispatched})")
+            raise ValueError(
+                f"no state of exactly {n_positions} prompt positions now (prefilled "
+                f"{min(seq.prefilled, len(seq.prompt))}, decode steps dispatched {seq.dispatched})"
+            )
         seen = np.zeros((self.cfg.vocab_size,), bool)
         seen[seq.prompt[:n_positions]] = True
         return ckpt.replace(
@@ -432,7 +473,9 @@ class Engine:
         """Takes a decoding sequence out of its slot, keeping everything needed to resume it."""
         ckpt = self.extract(seq)
         self.remove(seq)
-        return PausedSequence(checkpoint=ckpt, sequence=dataclasses.replace(seq, pages=[], generated=list(seq.generated)))
+        return PausedSequence(
+            checkpoint=ckpt, sequence=dataclasses.replace(seq, pages=[], generated=list(seq.generated))
+        )
 
     def resume(self, paused: PausedSequence) -> Sequence:
         """Puts a paused sequence into any free slot; it continues exactly where it stopped."""
@@ -468,19 +511,57 @@ class Engine:
             chunk_sizes = list(self.config.chunk_buckets) if width in self.config.chunk_widths() else []
             for size in [0] + chunk_sizes:
                 chunk_len = max(size, 1)
-                out.append((("step", chunk_len, ctx, width), lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width:
-                            steps.step.lower(self.params, self.state, idle, self._idle_chunk(size), cfg=self.cfg,
-                                             opts=self.options, chunk_len=chunk_len, n_ctx_pages=ctx, decode_width=width)))
+                out.append(
+                    (
+                        ("step", chunk_len, ctx, width),
+                        lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width: steps.step.lower(
+                            self.params,
+                            self.state,
+                            idle,
+                            self._idle_chunk(size),
+                            cfg=self.cfg,
+                            opts=self.options,
+                            chunk_len=chunk_len,
+                            n_ctx_pages=ctx,
+                            decode_width=width,
+                        ),
+                    )
+                )
             samplers = (True, False) if plain_sampler_pays(self.options) else (True,)
             if self.config.max_drafts and width == self.config.widths()[-1]:  # verify rounds span every slot
                 for full in samplers:
-                    out.append((("verify", self.config.max_drafts, ctx, full), lambda ctx=ctx, full=full:
-                                steps.verify.lower(self.params, self.state, idle, self._no_drafts(), cfg=self.cfg,
-                                                   opts=self.options, n_ctx_pages=ctx, full_sampler=full)))
+                    out.append(
+                        (
+                            ("verify", self.config.max_drafts, ctx, full),
+                            lambda ctx=ctx, full=full: steps.verify.lower(
+                                self.params,
+                                self.state,
+                                idle,
+                                self._no_drafts(),
+                                cfg=self.cfg,
+                                opts=self.options,
+                                n_ctx_pages=ctx,
+                                full_sampler=full,
+                            ),
+                        )
+                    )
             for full in samplers if n > 1 else ():
-                out.append((("decode", n, ctx, width, full), lambda ctx=ctx, width=width, full=full:
-                            steps.decode_steps.lower(self.params, self.state, idle, cfg=self.cfg, opts=self.options, n_steps=n,
-                                                     n_ctx_pages=ctx, decode_width=width, full_sampler=full)))
+                out.append(
+                    (
+                        ("decode", n, ctx, width, full),
+                        lambda ctx=ctx, width=width, full=full: steps.decode_steps.lower(
+                            self.params,
+                            self.state,
+                            idle,
+                            cfg=self.cfg,
+                            opts=self.options,
+                            n_steps=n,
+                            n_ctx_pages=ctx,
+                            decode_width=width,
+                            full_sampler=full,
+                        ),
+                    )
+                )
         return out
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -497,8 +578,12 @@ class Engine:
         if self.seqs:
             raise RuntimeError("warmup must run on an empty engine")
         variants = self._round_variants()
-        page_counts = sorted({pages_bucket(1 << i, self.layout.max_pages_per_seq)
-                              for i in range(self.layout.max_pages_per_seq.bit_length() + 1)})
+        page_counts = sorted(
+            {
+                pages_bucket(1 << i, self.layout.max_pages_per_seq)
+                for i in range(self.layout.max_pages_per_seq.bit_length() + 1)
+            }
+        )
         total, done = len(variants) + len(page_counts), 0
         report = progress or (lambda done, total: None)
         report(0, total)
@@ -563,8 +648,12 @@ class Engine:
             return steps.empty_chunk(B)
         nc = self.config.chunk_segments
         return steps.ChunkBatch(
-            tokens=np.zeros((size,), np.int32), slots=np.full((size,), B, np.int32), positions=np.zeros((size,), np.int32),
-            seg_slot=np.zeros((nc,), np.int32), seg_start=np.zeros((nc,), np.int32), seg_len=np.zeros((nc,), np.int32),
+            tokens=np.zeros((size,), np.int32),
+            slots=np.full((size,), B, np.int32),
+            positions=np.zeros((size,), np.int32),
+            seg_slot=np.zeros((nc,), np.int32),
+            seg_start=np.zeros((nc,), np.int32),
+            seg_len=np.zeros((nc,), np.int32),
             seg_samples=np.zeros((nc,), bool),
         )
 
@@ -620,7 +709,14 @@ class Engine:
                 self.state, out = compiled(self.params, self.state, inputs)
             else:
                 self.state, out = steps.decode_steps(
-                    self.params, self.state, inputs, cfg=self.cfg, opts=self.options, n_steps=n, n_ctx_pages=ctx, decode_width=width,
+                    self.params,
+                    self.state,
+                    inputs,
+                    cfg=self.cfg,
+                    opts=self.options,
+                    n_steps=n,
+                    n_ctx_pages=ctx,
+                    decode_width=width,
                     full_sampler=full,
                 )
             return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), steps=n, multi=True))
@@ -642,7 +738,14 @@ class Engine:
             self.state, out = compiled(self.params, self.state, inputs, chunk)
         else:
             self.state, out = steps.step(
-                self.params, self.state, inputs, chunk, cfg=self.cfg, opts=self.options, chunk_len=chunk_len, n_ctx_pages=ctx,
+                self.params,
+                self.state,
+                inputs,
+                chunk,
+                cfg=self.cfg,
+                opts=self.options,
+                chunk_len=chunk_len,
+                n_ctx_pages=ctx,
                 decode_width=width,
             )
         return Round(output=out, seqs=snapshot, plan=RoundPlan(prompts=prompts, decoding=_ids(decoding)))
@@ -664,8 +767,13 @@ class Engine:
                 out[s.slot] = proposal
         return out
 
-    def _launch_verify(self, inputs: steps.RoundInputs, decoding: list[Sequence], drafts: dict[int, list[int]],
-                       snapshot: dict[int, Sequence]) -> Round:
+    def _launch_verify(
+        self,
+        inputs: steps.RoundInputs,
+        decoding: list[Sequence],
+        drafts: dict[int, list[int]],
+        snapshot: dict[int, Sequence],
+    ) -> Round:
         """One verification round for every decoding sequence (those without drafts decode one
         token in it); they all sit out later launches until `collect` has settled it."""
         B, K = self.layout.max_slots, self.config.max_drafts
@@ -688,10 +796,15 @@ class Engine:
         if compiled is not None:
             self.state, out = compiled(self.params, self.state, inputs, d)
         else:
-            self.state, out = steps.verify(self.params, self.state, inputs, d, cfg=self.cfg, opts=self.options, n_ctx_pages=ctx,
-                                           full_sampler=full)
-        return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), multi=True),
-                     drafts={s.slot: int(count[s.slot]) for s in decoding})
+            self.state, out = steps.verify(
+                self.params, self.state, inputs, d, cfg=self.cfg, opts=self.options, n_ctx_pages=ctx, full_sampler=full
+            )
+        return Round(
+            output=out,
+            seqs=snapshot,
+            plan=RoundPlan(decoding=_ids(decoding), multi=True),
+            drafts={s.slot: int(count[s.slot]) for s in decoding},
+        )
 
     @staticmethod
     def _constrain(inputs: steps.RoundInputs, sampling: list[Sequence]) -> None:
@@ -762,8 +875,11 @@ class Engine:
             ends = seq.prefilled == len(seq.prompt)
             chunk.seg_slot[i], chunk.seg_start[i], chunk.seg_len[i], chunk.seg_samples[i] = seq.slot, at, n, ends
             finishing += [seq] if ends else []
-            advances.append(PromptAdvance(seq.id, start, seq.prefilled,
-                                          tuple(b for b in seq.extract_at if start < b <= seq.prefilled), ends))
+            advances.append(
+                PromptAdvance(
+                    seq.id, start, seq.prefilled, tuple(b for b in seq.extract_at if start < b <= seq.prefilled), ends
+                )
+            )
             reach = max(reach, seq.prefilled)
             at += n
         return chunk, reach, tuple(advances), finishing

@@ -27,7 +27,6 @@ class Completion:
     logprobs: list[float]
 
 
-
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -38,18 +37,27 @@ def kv_bytes(cfg: ModelConfig, n_seqs: int, length: int, page_size: int = 16, *,
     return pages * kv_bytes_per_page(cfg, page_size, opts)
 
 
-def research_engine(model: Model, n_rows: int, longest: int, *, max_slots: int = 32,
-                    logits_processors: tuple = (), max_drafts: int = 0) -> Engine:
+def research_engine(
+    model: Model, n_rows: int, longest: int, *, max_slots: int = 32, logits_processors: tuple = (), max_drafts: int = 0
+) -> Engine:
     """An engine sized for `n_rows` sequences of up to `longest` positions, research samplers
     on; `max_drafts` > 0: sequences draft by prompt lookup (see `EngineConfig.max_drafts`)."""
     slots = max(1, min(n_rows, max_slots))
     longest = round_up(longest, 64)  # engines of similar runs share shapes, so compilations
     # Prompts are packed side by side into prefill chunks: on the CPU a comparison's many
     # short prompts would otherwise take a round each.
-    return model.engine(EngineConfig(
-        max_slots=slots, max_seq_len=longest, kv_bytes=kv_bytes(model.cfg, slots, longest, opts=model.options),
-        chunk_buckets=(64, 256), chunk_segments=4, extra_samplers=True, logits_processors=tuple(logits_processors),
-        max_drafts=max_drafts))
+    return model.engine(
+        EngineConfig(
+            max_slots=slots,
+            max_seq_len=longest,
+            kv_bytes=kv_bytes(model.cfg, slots, longest, opts=model.options),
+            chunk_buckets=(64, 256),
+            chunk_segments=4,
+            extra_samplers=True,
+            logits_processors=tuple(logits_processors),
+            max_drafts=max_drafts,
+        )
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,13 +78,19 @@ def run_rows(model: Model, engine: Engine, rows: Sequence[tuple]) -> list[Sample
         while pending and engine.can_admit(len(pending[0][1][0]) + pending[0][1][1].max_tokens):
             index, (ids, params, *rest) = pending.pop(0)
             ckpt = rest[0] if rest else None
-            running[index] = engine.add(ids, params, checkpoint=ckpt, cached_tokens=len(ids) - 1 if ckpt is not None else 0)
+            running[index] = engine.add(
+                ids, params, checkpoint=ckpt, cached_tokens=len(ids) - 1 if ckpt is not None else 0
+            )
         engine.step()
         for index, seq in list(running.items()):
             if seq.finish_reason is not None:
-                completion = Completion(prompt_token_ids=seq.prompt, token_ids=list(seq.generated),
-                                        text=model.tokenizer.decode(seq.generated),
-                                        finish_reason=seq.finish_reason, logprobs=list(seq.logprobs))
+                completion = Completion(
+                    prompt_token_ids=seq.prompt,
+                    token_ids=list(seq.generated),
+                    text=model.tokenizer.decode(seq.generated),
+                    finish_reason=seq.finish_reason,
+                    logprobs=list(seq.logprobs),
+                )
                 results[index] = Sample(completion=completion, entropies=list(seq.entropies))
                 engine.remove(seq)
                 del running[index]

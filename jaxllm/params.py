@@ -183,16 +183,25 @@ def _mlp_shapes(cfg: ModelConfig, L: int, s: Callable[..., jax.ShapeDtypeStruct]
     E, F, Fs = cfg.n_experts, cfg.moe_ffn_dim, cfg.shared_expert_ffn_dim
     shared = DenseMlpParams(w_gate=s(L, D, Fs), w_up=s(L, D, Fs), w_down=s(L, Fs, D)) if Fs else None
     return MoeParams(
-        router=s(L, D, E), w_gate=s(L, E, D, F), w_up=s(L, E, D, F), w_down=s(L, E, F, D),
-        shared=shared, shared_gate=s(L, D) if Fs else None,
+        router=s(L, D, E),
+        w_gate=s(L, E, D, F),
+        w_up=s(L, E, D, F),
+        w_down=s(L, E, F, D),
+        shared=shared,
+        shared_gate=s(L, D) if Fs else None,
     )
 
 
 def _attention_block_shapes(cfg: ModelConfig, n: int, s: Callable[..., jax.ShapeDtypeStruct]) -> HybridBlockParams:
     D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     mixer = GatedAttentionParams(
-        wq=s(n, D, H, Dh), w_gate=s(n, D, H, Dh), wk=s(n, D, K, Dh), wv=s(n, D, K, Dh), wo=s(n, H, Dh, D),
-        q_norm=s(n, Dh), k_norm=s(n, Dh),
+        wq=s(n, D, H, Dh),
+        w_gate=s(n, D, H, Dh),
+        wk=s(n, D, K, Dh),
+        wv=s(n, D, K, Dh),
+        wo=s(n, H, Dh, D),
+        q_norm=s(n, Dh),
+        k_norm=s(n, Dh),
     )
     return HybridBlockParams(attn_norm=s(n, D), mixer=mixer, mlp_norm=s(n, D), mlp=_mlp_shapes(cfg, n, s))
 
@@ -202,8 +211,14 @@ def _hybrid_shapes(cfg: ModelConfig, s: Callable[..., jax.ShapeDtypeStruct]) -> 
     linear = None
     if n:
         mixer = DeltaNetParams(
-            w_qkv=s(n, D, cfg.conv_dim), w_z=s(n, D, Hv, Dv), w_b=s(n, D, Hv), w_a=s(n, D, Hv),
-            conv=s(n, cfg.conv_dim, cfg.conv_kernel), dt_bias=s(n, Hv), a_log=s(n, Hv), norm=s(n, Dv),
+            w_qkv=s(n, D, cfg.conv_dim),
+            w_z=s(n, D, Hv, Dv),
+            w_b=s(n, D, Hv),
+            w_a=s(n, D, Hv),
+            conv=s(n, cfg.conv_dim, cfg.conv_kernel),
+            dt_bias=s(n, Hv),
+            a_log=s(n, Hv),
+            norm=s(n, Dv),
             w_out=s(n, Hv, Dv, D),
         )
         linear = HybridBlockParams(attn_norm=s(n, D), mixer=mixer, mlp_norm=s(n, D), mlp=_mlp_shapes(cfg, n, s))
@@ -213,8 +228,11 @@ def _hybrid_shapes(cfg: ModelConfig, s: Callable[..., jax.ShapeDtypeStruct]) -> 
 def _mtp_shapes(cfg: ModelConfig, s: Callable[..., jax.ShapeDtypeStruct]) -> MtpParams:
     D = cfg.d_model
     return MtpParams(
-        fc=s(2 * D, D), norm_embedding=s(D), norm_hidden=s(D),
-        block=_attention_block_shapes(cfg, cfg.mtp_layers, s), final_norm=s(D),
+        fc=s(2 * D, D),
+        norm_embedding=s(D),
+        norm_hidden=s(D),
+        block=_attention_block_shapes(cfg, cfg.mtp_layers, s),
+        final_norm=s(D),
     )
 
 

@@ -80,22 +80,43 @@ class ExtraSampling:
 
 def uses_extra(p: SamplingParams) -> bool:
     """Whether a request asks for any sampler of this module."""
-    return (p.typical_p < 1 or p.epsilon_cutoff > 0 or p.eta_cutoff > 0 or p.top_n_sigma > 0 or p.xtc_probability > 0
-            or p.dry_multiplier > 0 or p.mirostat_tau > 0 or p.logits_processor is not None)
+    return (
+        p.typical_p < 1
+        or p.epsilon_cutoff > 0
+        or p.eta_cutoff > 0
+        or p.top_n_sigma > 0
+        or p.xtc_probability > 0
+        or p.dry_multiplier > 0
+        or p.mirostat_tau > 0
+        or p.logits_processor is not None
+    )
 
 
 def empty_extra(B: int, V: int, S: int, processors: tuple[LogitsProcessor, ...] = ()) -> ExtraSampling:
     f = lambda v: jnp.full((B,), v, jnp.float32)  # noqa: E731
     return ExtraSampling(
-        typical_p=f(1.0), epsilon=f(0.0), eta=f(0.0), top_n_sigma=f(0.0), xtc_threshold=f(0.1),
-        xtc_probability=f(0.0), dry_multiplier=f(0.0), dry_base=f(1.75), dry_allowed_length=jnp.full((B,), 2, jnp.int32),
-        dry_breakers=jnp.zeros((B, V), bool), mirostat_tau=f(0.0), mirostat_eta=f(0.1), mu=f(0.0),
-        processor=jnp.zeros((B,), jnp.int32), history=jnp.zeros((B, S), jnp.int32), processors=tuple(processors),
+        typical_p=f(1.0),
+        epsilon=f(0.0),
+        eta=f(0.0),
+        top_n_sigma=f(0.0),
+        xtc_threshold=f(0.1),
+        xtc_probability=f(0.0),
+        dry_multiplier=f(0.0),
+        dry_base=f(1.75),
+        dry_allowed_length=jnp.full((B,), 2, jnp.int32),
+        dry_breakers=jnp.zeros((B, V), bool),
+        mirostat_tau=f(0.0),
+        mirostat_eta=f(0.1),
+        mu=f(0.0),
+        processor=jnp.zeros((B,), jnp.int32),
+        history=jnp.zeros((B, S), jnp.int32),
+        processors=tuple(processors),
     )
 
 
-def extra_row(p: SamplingParams, vocab_size: int, max_len: int, prompt: list[int],
-              processors: tuple[LogitsProcessor, ...]) -> ExtraSampling:
+def extra_row(
+    p: SamplingParams, vocab_size: int, max_len: int, prompt: list[int], processors: tuple[LogitsProcessor, ...]
+) -> ExtraSampling:
     """One slot's row, built on the host at admission. The history starts as the prompt, so a
     sequence restored from a checkpoint (prefix cache, fork) sees its whole context."""
     if p.logits_processor is not None and p.logits_processor not in processors:
@@ -107,18 +128,34 @@ def extra_row(p: SamplingParams, vocab_size: int, max_len: int, prompt: list[int
     history[:n] = prompt[:n]
     f = np.float32
     return ExtraSampling(
-        typical_p=f(p.typical_p), epsilon=f(p.epsilon_cutoff), eta=f(p.eta_cutoff), top_n_sigma=f(p.top_n_sigma),
-        xtc_threshold=f(p.xtc_threshold), xtc_probability=f(p.xtc_probability), dry_multiplier=f(p.dry_multiplier),
-        dry_base=f(p.dry_base), dry_allowed_length=np.int32(p.dry_allowed_length), dry_breakers=breakers,
-        mirostat_tau=f(p.mirostat_tau), mirostat_eta=f(p.mirostat_eta), mu=f(2 * p.mirostat_tau),
+        typical_p=f(p.typical_p),
+        epsilon=f(p.epsilon_cutoff),
+        eta=f(p.eta_cutoff),
+        top_n_sigma=f(p.top_n_sigma),
+        xtc_threshold=f(p.xtc_threshold),
+        xtc_probability=f(p.xtc_probability),
+        dry_multiplier=f(p.dry_multiplier),
+        dry_base=f(p.dry_base),
+        dry_allowed_length=np.int32(p.dry_allowed_length),
+        dry_breakers=breakers,
+        mirostat_tau=f(p.mirostat_tau),
+        mirostat_eta=f(p.mirostat_eta),
+        mu=f(2 * p.mirostat_tau),
         processor=np.int32(0 if p.logits_processor is None else processors.index(p.logits_processor) + 1),
-        history=history, processors=tuple(processors),
+        history=history,
+        processors=tuple(processors),
     )
 
 
 # ---- logits adjustments (before the temperature) ----------------------------------------
-def dry_penalty(history: jax.Array, length: jax.Array, multiplier: jax.Array, base: jax.Array,
-                allowed: jax.Array, breakers: jax.Array) -> jax.Array:
+def dry_penalty(
+    history: jax.Array,
+    length: jax.Array,
+    multiplier: jax.Array,
+    base: jax.Array,
+    allowed: jax.Array,
+    breakers: jax.Array,
+) -> jax.Array:
     """[V] f32 amount to subtract from one row's logits (see the module docstring).
 
     For every earlier position j (1 <= j < L) the match length m(j) counts k = 1, 2, ... while
@@ -143,14 +180,16 @@ def dry_penalty(history: jax.Array, length: jax.Array, multiplier: jax.Array, ba
     return jnp.where((best >= allowed) & (best > 0) & (multiplier > 0), multiplier * base**exponent, 0.0)
 
 
-def adjust_logits(logits: jax.Array, e: ExtraSampling, positions: jax.Array, n_generated: jax.Array,
-                  seed: jax.Array, cond) -> jax.Array:
+def adjust_logits(
+    logits: jax.Array, e: ExtraSampling, positions: jax.Array, n_generated: jax.Array, seed: jax.Array, cond
+) -> jax.Array:
     """DRY penalties, then the user processors; [B, V] f32 in and out."""
     dry = e.dry_multiplier > 0
     penalty = cond(
         jnp.any(dry),
-        lambda: jax.vmap(dry_penalty)(e.history, positions, e.dry_multiplier, e.dry_base, e.dry_allowed_length,
-                                      e.dry_breakers),
+        lambda: jax.vmap(dry_penalty)(
+            e.history, positions, e.dry_multiplier, e.dry_base, e.dry_allowed_length, e.dry_breakers
+        ),
         lambda: jnp.zeros_like(logits),
     )
     logits = logits - penalty
@@ -213,8 +252,9 @@ def mirostat_keep(logits: jax.Array, mu: jax.Array) -> jax.Array:
     return (surprise <= mu) | _top(logits)
 
 
-def restrict(keep: jax.Array, scaled: jax.Array, e: ExtraSampling, keys: jax.Array, is_sampled: jax.Array,
-             cond) -> jax.Array:
+def restrict(
+    keep: jax.Array, scaled: jax.Array, e: ExtraSampling, keys: jax.Array, is_sampled: jax.Array, cond
+) -> jax.Array:
     """The research filters' keep-sets intersected with `keep` ([B, V] bool) on sampled rows."""
     xtc_on = e.xtc_probability > 0
     coin = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys) < e.xtc_probability
@@ -242,11 +282,13 @@ def mirostat_update(e: ExtraSampling, kept_logits: jax.Array, tokens: jax.Array,
     return jnp.where(on, e.mu - e.mirostat_eta * (surprise - e.mirostat_tau), e.mu)
 
 
-def after_round(before: ExtraSampling, drawn: ExtraSampling, tokens: jax.Array, positions: jax.Array,
-                sampled: jax.Array) -> ExtraSampling:
+def after_round(
+    before: ExtraSampling, drawn: ExtraSampling, tokens: jax.Array, positions: jax.Array, sampled: jax.Array
+) -> ExtraSampling:
     """The state after a round: rows that drew a token take their new μ and record the token
     in their history at the position it takes; the others stay as they were."""
     B = tokens.shape[0]
     rows = jnp.where(sampled, jnp.arange(B), B)
-    return before.replace(mu=jnp.where(sampled, drawn.mu, before.mu),
-                          history=before.history.at[rows, positions].set(tokens, mode="drop"))
+    return before.replace(
+        mu=jnp.where(sampled, drawn.mu, before.mu), history=before.history.at[rows, positions].set(tokens, mode="drop")
+    )

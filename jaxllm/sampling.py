@@ -84,7 +84,10 @@ class SamplingParams:
             (self.dry_multiplier >= 0, "dry_multiplier must be >= 0"),
             (self.dry_base >= 1, "dry_base must be >= 1"),
             (self.dry_allowed_length >= 1, "dry_allowed_length must be >= 1"),
-            (all(0 <= t < vocab_size for t in self.dry_sequence_breakers), "dry_sequence_breakers has an id outside the vocabulary"),
+            (
+                all(0 <= t < vocab_size for t in self.dry_sequence_breakers),
+                "dry_sequence_breakers has an id outside the vocabulary",
+            ),
             (0 <= self.xtc_threshold <= 1, "xtc_threshold must be in [0, 1]"),
             (0 <= self.xtc_probability <= 1, "xtc_probability must be in [0, 1]"),
             (self.mirostat_tau >= 0, "mirostat_tau must be >= 0"),
@@ -101,7 +104,9 @@ def seed_to_u32(seed: int | None, fallback: int) -> np.uint32:
     return np.uint32((value ^ (value >> 32)) & 0xFFFFFFFF)
 
 
-def sampling_row(p: SamplingParams, vocab_size: int, eos_ids: frozenset[int] | set[int], seed: np.uint32) -> SlotSampling:
+def sampling_row(
+    p: SamplingParams, vocab_size: int, eos_ids: frozenset[int] | set[int], seed: np.uint32
+) -> SlotSampling:
     """One slot's row of `SlotSampling` (scalars and [V] rows), built on the host at admission."""
     bias = np.zeros((vocab_size,), np.float32)
     for token, value in p.logit_bias.items():
@@ -253,17 +258,26 @@ def sample(
     def draw() -> tuple[jax.Array, jax.Array | None]:
         scaled = processed / jnp.where(is_sampled, s.temperature, 1.0)[:, None]
         filters = is_sampled & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0))
-        keep = jax.lax.cond(
-            jnp.any(filters), lambda: _filter_rows(scaled, s, filters, branches), lambda: jnp.ones_like(scaled, bool)
-        ) if full else jnp.ones_like(scaled, bool)
+        keep = (
+            jax.lax.cond(
+                jnp.any(filters),
+                lambda: _filter_rows(scaled, s, filters, branches),
+                lambda: jnp.ones_like(scaled, bool),
+            )
+            if full
+            else jnp.ones_like(scaled, bool)
+        )
         keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.PRNGKey(seed), pos))(s.seed, positions)
         noise = jax.vmap(lambda k: jax.random.gumbel(k, (scaled.shape[1],), jnp.float32))(keys)
         if extra is not None:
             keep = samplers_extra.restrict(keep, scaled, extra, keys, is_sampled, cond)
         drawn = jnp.argmax(jnp.where(keep, scaled + noise, _NEG), axis=-1).astype(jnp.int32)
         tokens = jnp.where(is_sampled, drawn, greedy)
-        mu = None if extra is None else samplers_extra.mirostat_update(
-            extra, jnp.where(keep, scaled, _NEG), tokens, is_sampled)
+        mu = (
+            None
+            if extra is None
+            else samplers_extra.mirostat_update(extra, jnp.where(keep, scaled, _NEG), tokens, is_sampled)
+        )
         return tokens, mu
 
     tokens, mu = cond(jnp.any(is_sampled), draw, lambda: (greedy, None if extra is None else extra.mu))
@@ -275,6 +289,14 @@ def sample(
     top_lp, top_ids = (
         jax.lax.cond(want_top, lambda: tuple(jax.lax.top_k(logprobs, n_top)), lambda: nothing) if full else nothing
     )
-    entropy = None if extra is None else -jnp.sum(jnp.where(jnp.isfinite(logprobs), jnp.exp(logprobs) * logprobs, 0.0), -1)
-    return Sampled(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp,
-                   extra=None if extra is None else extra.replace(mu=mu), entropy=entropy)
+    entropy = (
+        None if extra is None else -jnp.sum(jnp.where(jnp.isfinite(logprobs), jnp.exp(logprobs) * logprobs, 0.0), -1)
+    )
+    return Sampled(
+        tokens=tokens,
+        logprob=chosen,
+        top_ids=top_ids.astype(jnp.int32),
+        top_logprobs=top_lp,
+        extra=None if extra is None else extra.replace(mu=mu),
+        entropy=entropy,
+    )

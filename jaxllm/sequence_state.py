@@ -88,8 +88,11 @@ class SequenceState:
             raise ValueError(
                 f"this model has recurrent (linear-attention) layers: their state holds {self.length - 1} positions "
                 f"and cannot be cut to {length - 1}; take a snapshot there (Model.prefill(ids, snapshots=[{length}])) "
-                f"or prefill tokens[:{length}] again")
-        return dataclasses.replace(self, tokens=tokens, checkpoint=_prefix(self.checkpoint, tokens[:-1]), snapshots=keep)
+                f"or prefill tokens[:{length}] again"
+            )
+        return dataclasses.replace(
+            self, tokens=tokens, checkpoint=_prefix(self.checkpoint, tokens[:-1]), snapshots=keep
+        )
 
     def save(self, path: str | Path) -> None:
         """Writes the state to directory `path` (orbax for the arrays, JSON for the rest)."""
@@ -100,8 +103,12 @@ class SequenceState:
         arrays = {f"state_{n}": _fields(c) for n, c in self._checkpoints().items()}
         if arrays:
             save_pytree(path / "arrays", arrays)
-        meta = {"tokens": list(self.tokens), "seed": self.seed, "checkpoint": self.checkpoint is not None,
-                "snapshots": sorted(self.snapshots)}
+        meta = {
+            "tokens": list(self.tokens),
+            "seed": self.seed,
+            "checkpoint": self.checkpoint is not None,
+            "snapshots": sorted(self.snapshots),
+        }
         (path / _META).write_text(json.dumps(meta))
 
     @classmethod
@@ -112,11 +119,17 @@ class SequenceState:
         path = Path(path)
         meta = json.loads((path / _META).read_text())
         arrays = restore_pytree(path / "arrays") if (path / "arrays").exists() else {}
-        ckpts = {int(k.split("_", 1)[1]): SeqCheckpoint(**{f: np.asarray(v) for f, v in d.items()})
-                 for k, d in arrays.items()}
+        ckpts = {
+            int(k.split("_", 1)[1]): SeqCheckpoint(**{f: np.asarray(v) for f, v in d.items()})
+            for k, d in arrays.items()
+        }
         tokens = tuple(meta["tokens"])
-        return cls(tokens=tokens, checkpoint=ckpts[len(tokens) - 1] if meta["checkpoint"] else None,
-                   snapshots={n: ckpts[n] for n in meta["snapshots"]}, seed=meta["seed"])
+        return cls(
+            tokens=tokens,
+            checkpoint=ckpts[len(tokens) - 1] if meta["checkpoint"] else None,
+            snapshots={n: ckpts[n] for n in meta["snapshots"]},
+            seed=meta["seed"],
+        )
 
     def _checkpoints(self) -> dict[int, SeqCheckpoint]:
         out = dict(self.snapshots)
@@ -126,16 +139,23 @@ class SequenceState:
 
 
 def _fields(ckpt: SeqCheckpoint) -> dict[str, np.ndarray]:
-    return {f.name: np.asarray(getattr(ckpt, f.name)) for f in dataclasses.fields(ckpt)
-            if getattr(ckpt, f.name) is not None}
+    return {
+        f.name: np.asarray(getattr(ckpt, f.name)) for f in dataclasses.fields(ckpt) if getattr(ckpt, f.name) is not None
+    }
 
 
 def _prefix(ckpt: SeqCheckpoint, prefix: Sequence[int]) -> SeqCheckpoint:
     """An attention-only checkpoint cut to `prefix` (positions past it are never read)."""
     seen = np.zeros(ckpt.seen.shape, bool)
     seen[list(prefix)] = True
-    return ckpt.replace(length=np.int32(len(prefix)), seen=seen, last_token=np.int32(0), n_generated=np.int32(0),
-                        done=np.bool_(False), out_counts=np.zeros(ckpt.out_counts.shape, np.int32))
+    return ckpt.replace(
+        length=np.int32(len(prefix)),
+        seen=seen,
+        last_token=np.int32(0),
+        n_generated=np.int32(0),
+        done=np.bool_(False),
+        out_counts=np.zeros(ckpt.out_counts.shape, np.int32),
+    )
 
 
 # ---- what Model.prefill / Model.generate_from run ----------------------------------------
@@ -148,8 +168,14 @@ def state_engine(model: Model, n_slots: int, n_positions: int) -> Engine:
     return research_engine(model, slots, n_positions, max_slots=slots)
 
 
-def prefill(model: Model, ids: Sequence[int], *, snapshots: Sequence[int] = (), seed: int | None = None,
-            engine: Engine | None = None) -> SequenceState:
+def prefill(
+    model: Model,
+    ids: Sequence[int],
+    *,
+    snapshots: Sequence[int] = (),
+    seed: int | None = None,
+    engine: Engine | None = None,
+) -> SequenceState:
     """Prefills `ids` once and returns its state (see the module docstring).
 
     Args:
@@ -178,9 +204,13 @@ def prefill(model: Model, ids: Sequence[int], *, snapshots: Sequence[int] = (), 
     return SequenceState(tokens=tuple(ids), checkpoint=main, snapshots=taken, seed=seed)
 
 
-def generate_from(model: Model, states: SequenceState | Sequence[SequenceState],
-                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
-                  engine: Engine | None = None) -> Completion | list[Completion]:
+def generate_from(
+    model: Model,
+    states: SequenceState | Sequence[SequenceState],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    *,
+    engine: Engine | None = None,
+) -> Completion | list[Completion]:
     """Continues states, batched in one engine; one state gives one `Completion`.
 
     Each continuation re-feeds its state's last token and samples as a fresh prefill of the
@@ -192,8 +222,10 @@ def generate_from(model: Model, states: SequenceState | Sequence[SequenceState],
     params = list(params) if isinstance(params, Sequence) else [params] * len(states)
     if len(params) != len(states):
         raise ValueError(f"{len(params)} params for {len(states)} states")
-    params = [p if p.seed is not None or s.seed is None else dataclasses.replace(p, seed=s.seed)
-              for s, p in zip(states, params)]
+    params = [
+        p if p.seed is not None or s.seed is None else dataclasses.replace(p, seed=s.seed)
+        for s, p in zip(states, params)
+    ]
     longest = max(s.length + p.max_tokens for s, p in zip(states, params))
     longest = max([longest] + [c.n_pages * 16 for s in states for c in [s.checkpoint] if c is not None])
     engine = engine or state_engine(model, len(states), longest)

@@ -194,8 +194,10 @@ def init_state(cfg: ModelConfig, layout: StateLayout, opts: RuntimeOptions) -> D
     B, V = layout.max_slots, cfg.vocab_size
     kv_shape = (cfg.n_kv_layers, layout.n_pages, layout.page_size, cfg.n_kv_heads, cfg.head_dim)
     shapes = recurrent_shapes(cfg, B + 1)
-    recurrent = None if shapes is None else RecurrentState(
-        conv=jnp.zeros(shapes[0], jnp.float32), delta=jnp.zeros(shapes[1], jnp.float32)
+    recurrent = (
+        None
+        if shapes is None
+        else RecurrentState(conv=jnp.zeros(shapes[0], jnp.float32), delta=jnp.zeros(shapes[1], jnp.float32))
     )
     return DecodeState(
         kv=KVCache(k=jnp.zeros(kv_shape, opts.kv_jnp_dtype), v=jnp.zeros(kv_shape, opts.kv_jnp_dtype)),

@@ -114,7 +114,14 @@ def _round(
     )
     if cfg.is_hybrid:
         hidden, kv, recurrent, experts = hybrid_forward(
-            params, cfg, batch, state.kv, state.recurrent, state.page_table, opts=opts, chunk_len=chunk_len,
+            params,
+            cfg,
+            batch,
+            state.kv,
+            state.recurrent,
+            state.page_table,
+            opts=opts,
+            chunk_len=chunk_len,
             n_ctx_pages=n_ctx_pages,
         )
     else:
@@ -139,8 +146,16 @@ def _round(
 
     logits = lm_head(params, hidden[sample_row], kernel=matmul_kernel(opts, B))
     draw = sample(
-        logits, state.sampling, seen, state.out_counts, state.n_generated, lengths, inputs.want_top,
-        token_mask=inputs.token_mask, constrained=inputs.constrained, branches=sampler_branches(opts),
+        logits,
+        state.sampling,
+        seen,
+        state.out_counts,
+        state.n_generated,
+        lengths,
+        inputs.want_top,
+        token_mask=inputs.token_mask,
+        constrained=inputs.constrained,
+        branches=sampler_branches(opts),
         full=full_sampler,
     )
     tokens = jnp.where(sampled, draw.tokens, state.last_token)
@@ -150,7 +165,9 @@ def _round(
     done = jnp.where(sampled, stops, state.done)
     sampling = state.sampling
     if draw.extra is not None:  # research samplers: their state moves with each draw
-        sampling = sampling.replace(extra=samplers_extra.after_round(sampling.extra, draw.extra, tokens, lengths, sampled))
+        sampling = sampling.replace(
+            extra=samplers_extra.after_round(sampling.extra, draw.extra, tokens, lengths, sampled)
+        )
 
     new_state = state.replace(
         kv=kv,
@@ -194,7 +211,14 @@ def step(
     """One round: decode tokens of `inputs.decode_mask` slots (all below `decode_width`)
     plus `chunk`'s prompt tokens."""
     return _round(
-        params, state, inputs, chunk, cfg=cfg, opts=opts, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages,
+        params,
+        state,
+        inputs,
+        chunk,
+        cfg=cfg,
+        opts=opts,
+        chunk_len=chunk_len,
+        n_ctx_pages=n_ctx_pages,
         decode_width=decode_width,
     )
 
@@ -229,8 +253,16 @@ def decode_steps(
     def body(state, first):
         step_inputs = jax.tree.map(lambda a, b: jnp.where(first, a, b), inputs, later)
         return _round(
-            params, state, step_inputs, chunk, cfg=cfg, opts=opts, chunk_len=1, n_ctx_pages=n_ctx_pages,
-            decode_width=decode_width, full_sampler=full_sampler,
+            params,
+            state,
+            step_inputs,
+            chunk,
+            cfg=cfg,
+            opts=opts,
+            chunk_len=1,
+            n_ctx_pages=n_ctx_pages,
+            decode_width=decode_width,
+            full_sampler=full_sampler,
         )
 
     return jax.lax.scan(body, state, jnp.arange(n_steps) == 0)
@@ -369,7 +401,14 @@ def _verify_round(
     )
     if cfg.is_hybrid:
         hidden, kv, snapshots, experts = hybrid_forward(
-            params, cfg, batch, state.kv, state.recurrent, state.page_table, opts=opts, chunk_len=Tw,
+            params,
+            cfg,
+            batch,
+            state.kv,
+            state.recurrent,
+            state.page_table,
+            opts=opts,
+            chunk_len=Tw,
             n_ctx_pages=n_ctx_pages,
             snapshots=True,
         )
@@ -392,11 +431,20 @@ def _verify_round(
             seen = seen.at[jnp.where(live, rows, B), d].set(True, mode="drop")
             out_counts = out_counts.at[jnp.where(live, rows, B), d].add(1, mode="drop")
         draw = sample(
-            logits[:, j], state.sampling, seen, out_counts, state.n_generated + j, state.lengths + j + 1,
-            inputs.want_top, branches=sampler_branches(opts), full=full_sampler,
+            logits[:, j],
+            state.sampling,
+            seen,
+            out_counts,
+            state.n_generated + j,
+            state.lengths + j + 1,
+            inputs.want_top,
+            branches=sampler_branches(opts),
+            full=full_sampler,
         )
         draws.append(draw)
-        stops.append(state.sampling.stop_mask[rows, draw.tokens] | (state.n_generated + j + 1 >= state.sampling.max_tokens))
+        stops.append(
+            state.sampling.stop_mask[rows, draw.tokens] | (state.n_generated + j + 1 >= state.sampling.max_tokens)
+        )
     tokens = jnp.stack([d.tokens for d in draws], axis=1)  # [B, Tw]
     stop = jnp.stack(stops, axis=1)
     # Emitted: tokens up to the first that disagrees with its draft, stops, or has no draft.
@@ -432,8 +480,9 @@ def _verify_round(
         # sampled it (the accepted position's), for the slot's next verification round.
         h_last = hidden.reshape(B, Tw, -1)[rows, last]
         # One slot after another: the head's routed experts (ragged_dot) do not batch under vmap.
-        next_drafts = jax.lax.map(lambda a: mtp_draft(params, cfg, a[0], a[1], a[2], K)[0],
-                                  (h_last, new_last, state.lengths + last))
+        next_drafts = jax.lax.map(
+            lambda a: mtp_draft(params, cfg, a[0], a[1], a[2], K)[0], (h_last, new_last, state.lengths + last)
+        )
     steps_axis = jnp.arange(Tw)[:, None]
     out = StepOutput(
         tokens=tokens.T,
@@ -448,9 +497,7 @@ def _verify_round(
     return new_state, out
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "opts", "n_ctx_pages", "full_sampler"), donate_argnames=("state",)
-)
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "n_ctx_pages", "full_sampler"), donate_argnames=("state",))
 def verify(
     params: Params,
     state: DecodeState,

@@ -32,8 +32,10 @@ _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"
 # tokenizer.ggml.pre name -> (regexes, ignore_merges). ignore_merges: a whole pre-token
 # that is itself in the vocabulary is emitted as one id without running BPE (llama3).
 _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
-    **{n: ((r"\p{N}", _GPT2_RE), False) for n in (
-        "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")},
+    **{
+        n: ((r"\p{N}", _GPT2_RE), False)
+        for n in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+    },
     **{n: ((_GPT2_RE,), False) for n in ("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais")},
     **{n: ((_LLAMA3_RE,), True) for n in ("llama-bpe", "llama3", "llama-v3", "falcon3")},
     **{n: ((_LLAMA3_RE,), False) for n in ("dbrx", "smaug-bpe")},
@@ -42,10 +44,20 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 
 # Control tokens that end a turn; llama.cpp treats these as end-of-generation too.
-_STOP_TOKEN_TEXTS = frozenset({
-    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-    "<|end_of_text|>", "<|return|>", "<EOT>", "<｜end▁of▁sentence｜>",
-})
+_STOP_TOKEN_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<|return|>",
+        "<EOT>",
+        "<｜end▁of▁sentence｜>",
+    }
+)
 
 # GGUF token types (gguf.TokenType): CONTROL=3, USER_DEFINED=4.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -61,14 +73,10 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _byte_level_bpe(
-    tokens: Sequence[str], merges: Sequence[str], pre: str
-) -> tokenizers.Tokenizer:
+def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str) -> tokenizers.Tokenizer:
     """Builds a GPT-2 byte-level BPE tokenizer with llama.cpp's pre-tokenizer `pre`."""
     if pre not in _PRE_TOKENIZERS:
-        raise ValueError(
-            f"unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(_PRE_TOKENIZERS)}"
-        )
+        raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(_PRE_TOKENIZERS)}")
     regexes, ignore_merges = _PRE_TOKENIZERS[pre]
     vocab: dict[str, int] = {}
     for i, piece in enumerate(tokens):
@@ -180,16 +188,15 @@ class Tokenizer:
         control = [i for i, t in enumerate(types) if t == _CONTROL]
         # Control tokens are special (skippable); user-defined ones are plain text that
         # must still match as one id. llama.cpp renders the latter even without special.
-        hf.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i in control]
-        )
+        hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
         user = [i for i, t in enumerate(types) if t == _USER_DEFINED]
         hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
 
         bos_id = _gguf_field(source, "tokenizer.ggml.bos_token_id")
         eos_id = _gguf_field(source, "tokenizer.ggml.eos_token_id")
         eos = {
-            int(v) for k in ("eot_token_id", "eom_token_id")
+            int(v)
+            for k in ("eot_token_id", "eom_token_id")
             if (v := _gguf_field(source, f"tokenizer.ggml.{k}")) is not None
         }
         eos |= {i for i in control if tokens[i] in _STOP_TOKEN_TEXTS}
@@ -231,6 +238,7 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
 
         special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+
         def ids_of(key: str) -> int | None:
             return hf.token_to_id(_token_content(config.get(key)) or "")
 
@@ -243,7 +251,11 @@ class Tokenizer:
             eos_id = gen_eos[0]
         eos = set(gen_eos) | {i for i in special if hf.id_to_token(i) in _STOP_TOKEN_TEXTS}
         return cls(
-            hf, bos_id=bos_id, eos_id=eos_id, eos_ids=eos, special_ids=special,
+            hf,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            eos_ids=eos,
+            special_ids=special,
             chat_template=template,
         )
 
@@ -262,7 +274,12 @@ class Tokenizer:
         hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         hf.add_special_tokens([AddedToken("<eos>", special=True, normalized=False)])
         return cls(
-            hf, bos_id=None, eos_id=0, eos_ids={0}, special_ids={0}, chat_template=_SYNTHETIC_TEMPLATE,
+            hf,
+            bos_id=None,
+            eos_id=0,
+            eos_ids={0},
+            special_ids={0},
+            chat_template=_SYNTHETIC_TEMPLATE,
             vocab_size=vocab_size,
         )
 
@@ -361,8 +378,11 @@ class Tokenizer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._hf.save(str(path / "tokenizer.json"))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": self._chat_template,
-                  **self.special_tokens_map}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": self._chat_template,
+            **self.special_tokens_map,
+        }
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         gen_file = path / "generation_config.json"
         gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.is_file() else {}

@@ -63,9 +63,15 @@ class Reservation:
 def reserve(prepared: Prepared, pages: int, pool: Pool, settings: Settings, body_bytes: int) -> Reservation:
     """The reservation of a request whose choices each need `pages` KV pages."""
     context = len(prepared.prompt) + prepared.max_tokens
-    return Reservation(choices=prepared.n, kv_pages=pages * pool.bytes_per_page, recurrent=pool.recurrent_bytes,
-                       sampler=pool.vocab * SAMPLER_BYTES_PER_VOCAB, tokens=context * TOKEN_BYTES_PER_POSITION,
-                       messages=2 * body_bytes, response=settings.limits.response_bytes)
+    return Reservation(
+        choices=prepared.n,
+        kv_pages=pages * pool.bytes_per_page,
+        recurrent=pool.recurrent_bytes,
+        sampler=pool.vocab * SAMPLER_BYTES_PER_VOCAB,
+        tokens=context * TOKEN_BYTES_PER_POSITION,
+        messages=2 * body_bytes,
+        response=settings.limits.response_bytes,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +89,9 @@ def never_fits(n: int, pages: int, reservation: int, pool: Pool, settings: Setti
     if pages * n > pool.usable_pages:
         return NeverFits("the request needs more KV pages than the pool holds", "max_tokens")
     if reservation > settings.budget_bytes:
-        return NeverFits("the request exceeds active_state_mib; reduce max_tokens or n, or raise the state budget",
-                         "max_tokens")
+        return NeverFits(
+            "the request exceeds active_state_mib; reduce max_tokens or n, or raise the state budget", "max_tokens"
+        )
     return None
 
 
@@ -124,8 +131,12 @@ class Admission:
         chosen: list[Job] = []
         for i, job in enumerate(pending):
             n, lim = job.prepared.n, job.settings.limits
-            fits = (active < lim.active_requests and reserved + job.reservation <= job.settings.budget_bytes
-                    and slots >= n and pages >= job.pages * n)
+            fits = (
+                active < lim.active_requests
+                and reserved + job.reservation <= job.settings.budget_bytes
+                and slots >= n
+                and pages >= job.pages * n
+            )
             if not fits:
                 # The oldest request may be passed by smaller ones only for a bounded time.
                 if i == 0 and now - job.arrived > lim.starvation_seconds:

@@ -39,8 +39,10 @@ class CappedHttpProtocol(HttpProtocol):
     """Sanic's protocol with a cap on open connections (limits.max_connections): one more is
     answered 503 and closed at once, before it can hold a buffer or a task."""
 
-    _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                b"x-should-retry: true\r\ncontent-length: %d\r\n\r\n%s")
+    _REFUSAL = (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"x-should-retry: true\r\ncontent-length: %d\r\n\r\n%s"
+    )
 
     __slots__ = ("_refused",)  # Sanic's protocols use slots
 
@@ -48,8 +50,11 @@ class CappedHttpProtocol(HttpProtocol):
         cap = self.app.ctx.server.settings.current.limits.max_connections
         self._refused = False
         if self.connections is not None and len(self.connections) >= cap:
-            body = json.dumps(ApiError(503, f"the server has max_connections ({cap}) open connections",
-                                       code="too_many_connections").body()).encode()
+            body = json.dumps(
+                ApiError(
+                    503, f"the server has max_connections ({cap}) open connections", code="too_many_connections"
+                ).body()
+            ).encode()
             self._refused = True
             transport.write(self._REFUSAL % (len(body), body))
             transport.close()
@@ -88,10 +93,17 @@ async def _drain(srv: Server, seconds: float) -> None:
         log.warning("drain timed out with %d request(s) in flight; they get 503", srv.in_flight)
 
 
-def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name: str, api_key: str | None = None,
-               api_keys: Iterable[str] = (),
-               warmup: bool = True, on_death: Callable[[BaseException], None] | None = None,
-               profile_dir: str | None = None) -> Sanic:
+def create_app(
+    settings: SettingsStore,
+    *,
+    loader: Callable[[], Any],
+    model_name: str,
+    api_key: str | None = None,
+    api_keys: Iterable[str] = (),
+    warmup: bool = True,
+    on_death: Callable[[BaseException], None] | None = None,
+    profile_dir: str | None = None,
+) -> Sanic:
     """Builds the Sanic app; `loader()` returns a `jaxllm.api.Model` (called off the loop)."""
     # Sanic's own handlers would print each of its lines a second time beside the root logger's.
     app = Sanic(f"jaxllm_{next(_app_ids)}", configure_logging=False)
@@ -130,7 +142,9 @@ def create_app(settings: SettingsStore, *, loader: Callable[[], Any], model_name
     @app.exception(PayloadTooLarge)
     async def too_large(request: Request, e: Exception) -> Any:
         srv.metrics.count_http_error(413)
-        return error_response(ApiError(413, f"the request body is over request_bytes ({srv.settings.current.limits.request_bytes})"))
+        return error_response(
+            ApiError(413, f"the request body is over request_bytes ({srv.settings.current.limits.request_bytes})")
+        )
 
     @app.exception(NotFound)
     async def not_found(request: Request, e: Exception) -> Any:

@@ -52,8 +52,17 @@ class ChoiceEnd:
 class ChoiceText:
     """One choice's text from its tokens (see the module docstring)."""
 
-    def __init__(self, index: int, tok: TokenizerLike, *, stop: tuple[str, ...] = (), tools: ToolContract | None = None,
-                 skip_special_tokens: bool = True, logprobs: bool = False, response_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        index: int,
+        tok: TokenizerLike,
+        *,
+        stop: tuple[str, ...] = (),
+        tools: ToolContract | None = None,
+        skip_special_tokens: bool = True,
+        logprobs: bool = False,
+        response_bytes: int = 1 << 20,
+    ):
         self.index = index
         self.tok = tok
         self.stop = stop
@@ -75,8 +84,13 @@ class ChoiceText:
         """A stop string matched or the engine finished the sequence: `finish` comes next."""
         return self.stop_at is not None or self.model_reason is not None
 
-    def feed(self, tokens: Sequence[int], logprobs: Sequence[float] = (),
-             top_logprobs: Sequence[Sequence[tuple[int, float]]] = (), finish_reason: str | None = None) -> list[Frame]:
+    def feed(
+        self,
+        tokens: Sequence[int],
+        logprobs: Sequence[float] = (),
+        top_logprobs: Sequence[Sequence[tuple[int, float]]] = (),
+        finish_reason: str | None = None,
+    ) -> list[Frame]:
         """One event's tokens; returns the frames to send (none while text is held back).
 
         Raises:
@@ -89,7 +103,9 @@ class ChoiceText:
         items: list[TokenLogprob] = []
         if self.want_logprobs:
             for i, t in enumerate(tokens):
-                tops = [(self.tok.token_text(tid), lp) for tid, lp in (top_logprobs[i] if i < len(top_logprobs) else [])]
+                tops = [
+                    (self.tok.token_text(tid), lp) for tid, lp in (top_logprobs[i] if i < len(top_logprobs) else [])
+                ]
                 items.append((self.tok.token_text(t), logprobs[i], tops))
             self.logprobs.extend(items)
         # A "stop" finish ends on the stop token itself, which is not text.
@@ -113,7 +129,7 @@ class ChoiceText:
             end = len(self.raw)
         else:
             end = len(self.raw) - holdback(self.raw, self.stop)
-        piece = self.raw[self.published:end] if end > self.published else ""
+        piece = self.raw[self.published : end] if end > self.published else ""
         self.published = max(self.published, end)
         calls: list[dict[str, Any]] = []
         if self.tools is not None and piece:
@@ -140,8 +156,11 @@ class ChoiceText:
         # After a stop string the ids may run past it: the decode need only begin with the text.
         agrees = expected.startswith(streamed) if self.stop_at is not None else streamed == expected
         if not agrees:
-            raise ChoiceTextError(500, "streamed text differs from the final decode",
-                                  reconcile=f"{streamed[-40:]!r} vs {expected[-40:]!r}")
+            raise ChoiceTextError(
+                500,
+                "streamed text differs from the final decode",
+                reconcile=f"{streamed[-40:]!r} vs {expected[-40:]!r}",
+            )
         if self.tools is None:
             frames: list[Frame] = [Finish(self.index, reason, self.content, (), tuple(self.logprobs))]
             return ChoiceEnd(tuple(frames), reason, self.content, (), None)
@@ -150,21 +169,29 @@ class ChoiceText:
         frames = []
         if term.content_tail or term.tool_call_deltas:
             frames.append(Delta(self.index, term.content_tail, tuple(d.to_openai() for d in term.tool_call_deltas)))
-        calls = tuple({"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
-                      for tc in term.tool_calls)
+        calls = tuple(
+            {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
+            for tc in term.tool_calls
+        )
         reason = finish_reason_for(reason, bool(calls))
         frames.append(Finish(self.index, reason, self.content, calls, tuple(self.logprobs)))
         return ChoiceEnd(tuple(frames), reason, self.content, calls, term.diagnostics)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, drafts: tuple[int, int] | None = None
-          ) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, drafts: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """A request's OpenAI usage; `drafts` = (proposed, accepted) when drafts were verified."""
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens,
-                           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
     if drafts is not None:  # OpenAI's names for verified drafts (predicted outputs)
         proposed, accepted = drafts
-        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                            "rejected_prediction_tokens": proposed - accepted}
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": proposed - accepted,
+        }
     return out

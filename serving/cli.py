@@ -17,23 +17,37 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     runtime_cli.add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--config", default=None,
-                   help="settings TOML (default: configs/server.toml of the working directory, else of the "
-                        "source tree jaxllm runs from; without either, the built-in settings, said in the log)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="settings TOML (default: configs/server.toml of the working directory, else of the "
+        "source tree jaxllm runs from; without either, the built-in settings, said in the log)",
+    )
     # Read at run time, not as the default: --help would print the key.
-    p.add_argument("--api-key", default=None,
-                   help="API key(s) clients must send, comma-separated (default: $JAXLLM_API_KEY, else none)")
-    p.add_argument("--api-key-file", default=None,
-                   help="a file of further API keys, one a line ('#' starts a comment); sessions belong to "
-                        "the key that made them")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="API key(s) clients must send, comma-separated (default: $JAXLLM_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="a file of further API keys, one a line ('#' starts a comment); sessions belong to the key that made them",
+    )
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model's stem)")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before /health")
-    p.add_argument("--compile-cache", default=None,
-                   help="XLA's persistent compilation cache, so a restart loads the warm-up's executables "
-                        "instead of compiling them (default: $JAX_COMPILATION_CACHE_DIR, else "
-                        "<jaxllm cache>/xla; 'off' disables)")
-    p.add_argument("--profile-dir", default=None,
-                   help="enable POST /start_profile and /stop_profile, writing JAX profiler traces here")
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        help="XLA's persistent compilation cache, so a restart loads the warm-up's executables "
+        "instead of compiling them (default: $JAX_COMPILATION_CACHE_DIR, else "
+        "<jaxllm cache>/xla; 'off' disables)",
+    )
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="enable POST /start_profile and /stop_profile, writing JAX profiler traces here",
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -48,8 +62,18 @@ def api_keys_from(api_key: str | None, key_file: str | None) -> list[str]:
     return keys
 
 
-def serve(loader, *, model_name: str, host: str, port: int, config: str | None, api_key: str | None,
-          warmup: bool = True, profile_dir: str | None = None, api_key_file: str | None = None) -> int:
+def serve(
+    loader,
+    *,
+    model_name: str,
+    host: str,
+    port: int,
+    config: str | None,
+    api_key: str | None,
+    warmup: bool = True,
+    profile_dir: str | None = None,
+    api_key_file: str | None = None,
+) -> int:
     """Runs the server until stopped; returns the exit status (1 if the worker died)."""
     from serving.app import CappedHttpProtocol, create_app
     from serving.settings import SettingsStore, load_settings
@@ -64,9 +88,12 @@ def serve(loader, *, model_name: str, host: str, port: int, config: str | None, 
     config = config or default_settings_path()
     if config is None:
         logging.getLogger("jaxllm").warning(
-            "no --config and no configs/server.toml found: running on the built-in settings (serving/settings.py)")
+            "no --config and no configs/server.toml found: running on the built-in settings (serving/settings.py)"
+        )
     else:
-        logging.getLogger("jaxllm").info("settings: %s%s", Path(config).resolve(), "" if given else " (no --config given)")
+        logging.getLogger("jaxllm").info(
+            "settings: %s%s", Path(config).resolve(), "" if given else " (no --config given)"
+        )
     try:
         settings = load_settings(config)
     except (ValueError, OSError) as e:  # tomllib's errors are ValueErrors
@@ -79,8 +106,15 @@ def serve(loader, *, model_name: str, host: str, port: int, config: str | None, 
         # /health already answers 503; give clients a moment to see it, then exit non-zero.
         threading.Timer(1.0, os._exit, (1,)).start()
 
-    app = create_app(store, loader=loader, model_name=model_name, api_keys=api_keys_from(api_key, api_key_file),
-                     warmup=warmup, on_death=on_death, profile_dir=profile_dir)
+    app = create_app(
+        store,
+        loader=loader,
+        model_name=model_name,
+        api_keys=api_keys_from(api_key, api_key_file),
+        warmup=warmup,
+        on_death=on_death,
+        profile_dir=profile_dir,
+    )
     print(f"jaxllm serving {model_name} at http://{host}:{port}/v1 (health: http://{host}:{port}/health)", flush=True)
     app.run(host=host, port=port, single_process=True, access_log=False, motd=False, protocol=CappedHttpProtocol)
     return status["code"]
@@ -115,9 +149,17 @@ def run_serve(args: argparse.Namespace) -> int:
         return runtime_cli.load_from_args(args)
 
     name = args.served_model_name or Path(args.model).stem
-    return serve(loader, model_name=name, host=args.host, port=args.port, config=args.config,
-                 api_key=args.api_key or os.environ.get("JAXLLM_API_KEY"),
-                 warmup=not args.no_warmup, profile_dir=args.profile_dir, api_key_file=args.api_key_file)
+    return serve(
+        loader,
+        model_name=name,
+        host=args.host,
+        port=args.port,
+        config=args.config,
+        api_key=args.api_key or os.environ.get("JAXLLM_API_KEY"),
+        warmup=not args.no_warmup,
+        profile_dir=args.profile_dir,
+        api_key_file=args.api_key_file,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

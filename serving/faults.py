@@ -23,15 +23,17 @@ from typing import Any
 from jaxllm.model.kernel_choice import DEBUG_ENV
 
 FAULT_USERS = {"jaxllm-fault:error": "error", "jaxllm-fault:oom": "oom"}
-OOM_MESSAGE = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate the round's buffers "
-               "(injected by the faults debug hook)")
+OOM_MESSAGE = (
+    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate the round's buffers (injected by the faults debug hook)"
+)
 
 
 def round_failure(e: BaseException) -> tuple[int, str]:
     """The status and message for the requests of a round that raised `e`."""
     if "RESOURCE_EXHAUSTED" in str(e):
-        return 503, ("the device ran out of memory running this request's round; retry later, or with a smaller "
-                     "max_tokens or n")
+        return 503, (
+            "the device ran out of memory running this request's round; retry later, or with a smaller max_tokens or n"
+        )
     return 500, f"internal error in the model step: {e}"[:1000]
 
 

@@ -25,21 +25,34 @@ class Metrics:
         self.generated_tokens = Counter("jaxllm_generated_tokens", "Tokens generated", registry=r)
         self.prefill_seconds = Counter("jaxllm_prefill_seconds", "Seconds of rounds carrying prompt chunks", registry=r)
         self.decode_seconds = Counter("jaxllm_decode_seconds", "Seconds of decode-only rounds", registry=r)
-        self.reconcile_errors = Counter("jaxllm_reconcile_errors", "Streamed text differed from the final decode", registry=r)
+        self.reconcile_errors = Counter(
+            "jaxllm_reconcile_errors", "Streamed text differed from the final decode", registry=r
+        )
         self.round_failures = Counter("jaxllm_round_failures", "Compiled rounds that raised", registry=r)
         self.queued_requests = Counter("jaxllm_queued", "Requests handed to the worker", registry=r)
         self.admitted_requests = Counter("jaxllm_admitted", "Requests admitted", registry=r)
         self.rounds = Counter("jaxllm_rounds", "Rounds collected", registry=r)
         self.host_errors = Counter("jaxllm_host_errors", "Requests failed by an error in host code", registry=r)
-        self.tool_fallbacks = Counter("jaxllm_tool_call_fallbacks", "Tool-call parses that fell back", ["reason"], registry=r)
-        self.tool_schema_mismatches = Counter("jaxllm_tool_call_schema_mismatches", "Calls whose arguments failed the schema", registry=r)
-        self.tool_empty_arguments = Counter("jaxllm_tool_call_empty_arguments", "Calls with empty arguments omitted", registry=r)
-        self.draft_acceptance = Gauge("jaxllm_draft_acceptance_rate", "Share of drafts accepted, by draft position",
-                                      ["position"], registry=r)
+        self.tool_fallbacks = Counter(
+            "jaxllm_tool_call_fallbacks", "Tool-call parses that fell back", ["reason"], registry=r
+        )
+        self.tool_schema_mismatches = Counter(
+            "jaxllm_tool_call_schema_mismatches", "Calls whose arguments failed the schema", registry=r
+        )
+        self.tool_empty_arguments = Counter(
+            "jaxllm_tool_call_empty_arguments", "Calls with empty arguments omitted", registry=r
+        )
+        self.draft_acceptance = Gauge(
+            "jaxllm_draft_acceptance_rate", "Share of drafts accepted, by draft position", ["position"], registry=r
+        )
         # MoE models: each step's distinct routed experts (mean over layers), so a user sees why
         # a wider round costs more (the seed's expert statistics).
-        self.distinct_experts = Histogram("jaxllm_moe_distinct_experts", "Distinct experts a step touched, mean over layers",
-                                          buckets=(1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512), registry=r)
+        self.distinct_experts = Histogram(
+            "jaxllm_moe_distinct_experts",
+            "Distinct experts a step touched, mean over layers",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512),
+            registry=r,
+        )
         self.queued = Gauge("jaxllm_queued_requests", "Requests waiting for admission", registry=r)
         self.active = Gauge("jaxllm_active_requests", "Requests admitted", registry=r)
         self.reserved_bytes = Gauge("jaxllm_reserved_state_bytes", "Bytes reserved by admitted requests", registry=r)
@@ -57,11 +70,18 @@ class Metrics:
         """The counts since start, by the names of /v1/state's "requests"."""
         out = {"queued": _total(self.queued_requests), "admitted": _total(self.admitted_requests)}
         out |= {key: _total(self.requests, outcome=outcome) for key, outcome in _OUTCOMES.items()}
-        counters = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                    "prefilled_tokens": self.prefilled_tokens,
-                    "generated_tokens": self.generated_tokens, "prefill_seconds": self.prefill_seconds,
-                    "decode_seconds": self.decode_seconds, "reconcile_errors": self.reconcile_errors,
-                    "rounds": self.rounds, "failed_rounds": self.round_failures, "host_errors": self.host_errors}
+        counters = {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "reconcile_errors": self.reconcile_errors,
+            "rounds": self.rounds,
+            "failed_rounds": self.round_failures,
+            "host_errors": self.host_errors,
+        }
         out |= {key: _total(counter) for key, counter in counters.items()}
         return {k: v if k.endswith("_seconds") else int(v) for k, v in out.items()}
 
@@ -73,8 +93,13 @@ class Metrics:
 
 
 # totals() key -> the outcome label of jaxllm_requests
-_OUTCOMES = {"finished": "finished", "failed": "failed", "rejected": "rejected", "cancelled": "cancelled",
-             "cancelled_queued": "cancelled_before_admission"}
+_OUTCOMES = {
+    "finished": "finished",
+    "failed": "failed",
+    "rejected": "rejected",
+    "cancelled": "cancelled",
+    "cancelled_queued": "cancelled_before_admission",
+}
 
 
 def _total(counter: Counter, **labels: str) -> float:

@@ -89,16 +89,22 @@ def sse(data: dict[str, Any] | str) -> str:
 def _token_bytes(token: str) -> list[int]:
     """A logprob token's UTF-8 bytes; `bytes:\\xe6\\x97` (part of a character) spells them out."""
     if token.startswith("bytes:\\x"):
-        return list(bytes.fromhex(token[len("bytes:"):].replace("\\x", "")))
+        return list(bytes.fromhex(token[len("bytes:") :].replace("\\x", "")))
     return list(token.encode())
 
 
 def _chat_logprobs(items: tuple[TokenLogprob, ...]) -> dict[str, Any]:
-    return {"content": [
-        {"token": t, "logprob": lp, "bytes": _token_bytes(t),
-         "top_logprobs": [{"token": a, "logprob": b, "bytes": _token_bytes(a)} for a, b in top]}
-        for t, lp, top in items
-    ]}
+    return {
+        "content": [
+            {
+                "token": t,
+                "logprob": lp,
+                "bytes": _token_bytes(t),
+                "top_logprobs": [{"token": a, "logprob": b, "bytes": _token_bytes(a)} for a, b in top],
+            }
+            for t, lp, top in items
+        ]
+    }
 
 
 def _completion_logprobs(items: tuple[TokenLogprob, ...], offset: int = 0) -> dict[str, Any]:
@@ -106,15 +112,18 @@ def _completion_logprobs(items: tuple[TokenLogprob, ...], offset: int = 0) -> di
     for t, _, _ in items:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": [t for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
-            "top_logprobs": [dict(top) for _, _, top in items], "text_offset": offsets}
+    return {
+        "tokens": [t for t, _, _ in items],
+        "token_logprobs": [lp for _, lp, _ in items],
+        "top_logprobs": [dict(top) for _, _, top in items],
+        "text_offset": offsets,
+    }
 
 
 class Formatter:
     """Builds chunks and whole responses in the OpenAI shapes for one request."""
 
-    def __init__(self, kind: str, request_id: str, model: str, *, include_usage: bool, logprobs: bool,
-                 echo: str = ""):
+    def __init__(self, kind: str, request_id: str, model: str, *, include_usage: bool, logprobs: bool, echo: str = ""):
         """`echo`: text put before each choice's (a completion's `echo`: the prompt)."""
         self.kind = kind
         self.echo = echo
@@ -128,7 +137,13 @@ class Formatter:
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        out: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             out["usage"] = usage
         return out
@@ -158,9 +173,15 @@ class Formatter:
             if self.kind == "chat":
                 delta = {} if frame.index in self._started else {"role": "assistant", "content": ""}
                 self._started.add(frame.index)
-                return [self._chunk([{"index": frame.index, "delta": delta, "logprobs": None, "finish_reason": frame.reason}])]
+                return [
+                    self._chunk(
+                        [{"index": frame.index, "delta": delta, "logprobs": None, "finish_reason": frame.reason}]
+                    )
+                ]
             text = self._echo(frame.index)
-            return [self._chunk([{"index": frame.index, "text": text, "logprobs": None, "finish_reason": frame.reason}])]
+            return [
+                self._chunk([{"index": frame.index, "text": text, "logprobs": None, "finish_reason": frame.reason}])
+            ]
         if isinstance(frame, Done) and self.include_usage:
             return [self._chunk([], frame.usage)]
         return []
@@ -184,9 +205,17 @@ class Formatter:
                 choices.append({"index": f.index, "message": msg, "logprobs": lp, "finish_reason": f.reason})
             else:
                 lp = _completion_logprobs(f.logprobs) if self.logprobs else None
-                choices.append({"index": f.index, "text": self.echo + f.text, "logprobs": lp, "finish_reason": f.reason})
-        body = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": done.usage}
+                choices.append(
+                    {"index": f.index, "text": self.echo + f.text, "logprobs": lp, "finish_reason": f.reason}
+                )
+        body = {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": done.usage,
+        }
         if done.session:
             body["session"] = done.session
         return body

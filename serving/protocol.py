@@ -158,8 +158,17 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_context: int,
-              vocab: int, logprobs: bool, top_logprobs: int, seed: int | None, completion: bool = False) -> SamplingParams:
+def _sampling(
+    body: Mapping[str, Any],
+    settings: Settings,
+    prompt_len: int,
+    max_context: int,
+    vocab: int,
+    logprobs: bool,
+    top_logprobs: int,
+    seed: int | None,
+    completion: bool = False,
+) -> SamplingParams:
     d, lim, sd = settings.defaults, settings.limits, settings.sampling_defaults
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
@@ -169,9 +178,14 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
     if max_tokens < 1:
         raise bad("'max_tokens' must be at least 1", "max_tokens")
     if max_tokens > lim.max_output_tokens:
-        raise bad(f"'max_tokens' {max_tokens} is over the server's max_output_tokens ({lim.max_output_tokens})", "max_tokens")
+        raise bad(
+            f"'max_tokens' {max_tokens} is over the server's max_output_tokens ({lim.max_output_tokens})", "max_tokens"
+        )
     if prompt_len + max_tokens > max_context:
-        raise bad(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is over the context of {max_context} tokens", "max_tokens")
+        raise bad(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is over the context of {max_context} tokens",
+            "max_tokens",
+        )
     bias = _get(body, "logit_bias", dict, {})
     try:
         logit_bias = {int(k): float(v) for k, v in bias.items()}
@@ -212,11 +226,19 @@ def _sampling(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_
 
 # The research samplers' request fields (llama.cpp server / vLLM names) -> SamplingParams
 # fields; mirostat_mode picks mirostat (2) or not (0) as llama.cpp's `mirostat` does.
-EXTRA_SAMPLER_FIELDS = {"typical_p": "typical_p", "epsilon_cutoff": "epsilon_cutoff", "eta_cutoff": "eta_cutoff",
-                        "top_n_sigma": "top_n_sigma", "dry_multiplier": "dry_multiplier", "dry_base": "dry_base",
-                        "dry_allowed_length": "dry_allowed_length", "xtc_probability": "xtc_probability",
-                        "xtc_threshold": "xtc_threshold", "mirostat_tau": "mirostat_tau",
-                        "mirostat_eta": "mirostat_eta"}
+EXTRA_SAMPLER_FIELDS = {
+    "typical_p": "typical_p",
+    "epsilon_cutoff": "epsilon_cutoff",
+    "eta_cutoff": "eta_cutoff",
+    "top_n_sigma": "top_n_sigma",
+    "dry_multiplier": "dry_multiplier",
+    "dry_base": "dry_base",
+    "dry_allowed_length": "dry_allowed_length",
+    "xtc_probability": "xtc_probability",
+    "xtc_threshold": "xtc_threshold",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
+}
 
 
 def _extra_samplers(body: Mapping[str, Any], settings: Settings) -> dict[str, Any]:
@@ -237,16 +259,21 @@ def _extra_samplers(body: Mapping[str, Any], settings: Settings) -> dict[str, An
         used = samplers_extra.uses_extra(SamplingParams(**out))
         if used:
             name = next(iter(given), "mirostat_mode")
-            raise bad(f"'{name}' needs a server started with [engine] extra_samplers = true (this one runs without "
-                      "the research samplers)", name)
+            raise bad(
+                f"'{name}' needs a server started with [engine] extra_samplers = true (this one runs without "
+                "the research samplers)",
+                name,
+            )
     return out
 
 
 # llama.cpp server's DRY sequence breakers when a request names none.
-DRY_BREAKERS = ("\n", ":", "\"", "*")
+DRY_BREAKERS = ("\n", ":", '"', "*")
 
 
-def _with_dry_breakers(params: list[SamplingParams], body: Mapping[str, Any], tokenizer: Tokenizer) -> list[SamplingParams]:
+def _with_dry_breakers(
+    params: list[SamplingParams], body: Mapping[str, Any], tokenizer: Tokenizer
+) -> list[SamplingParams]:
     """With DRY on, each choice's sequence breakers: the tokens of the request's
     `dry_sequence_breakers` strings (llama.cpp's defaults without any). A match is broken
     at those tokens (llama.cpp also breaks inside longer tokens that contain a breaker)."""
@@ -275,8 +302,17 @@ def _sampler_param(message: str, body: Mapping[str, Any], completion: bool) -> s
     return first
 
 
-def _choices(body: Mapping[str, Any], settings: Settings, prompt_len: int, max_context: int, vocab: int,
-             logprobs: bool, top_logprobs: int, seed: int | None, completion: bool = False) -> list[SamplingParams]:
+def _choices(
+    body: Mapping[str, Any],
+    settings: Settings,
+    prompt_len: int,
+    max_context: int,
+    vocab: int,
+    logprobs: bool,
+    top_logprobs: int,
+    seed: int | None,
+    completion: bool = False,
+) -> list[SamplingParams]:
     n = _get(body, "n", int, 1)
     if not 1 <= n <= 16:
         raise bad("'n' must be between 1 and 16", "n")
@@ -295,20 +331,36 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         raise bad("'stream_options' is only allowed with stream", "stream_options")
     seed = _get(body, "seed", int, None)
     user = _get(body, "user", str, None)
-    return dict(stream=stream, include_usage=bool(opts.get("include_usage", False)), seed=seed, user=user,
-                skip_special_tokens=bool(_get(body, "skip_special_tokens", bool, True)), stop=_stop(body))
+    return dict(
+        stream=stream,
+        include_usage=bool(opts.get("include_usage", False)),
+        seed=seed,
+        user=user,
+        skip_special_tokens=bool(_get(body, "skip_special_tokens", bool, True)),
+        stop=_stop(body),
+    )
 
 
-def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings, *, max_context: int,
-               model_name: str, vocab: int, history: list[dict[str, Any]] | None = None,
-               session_seed: int | None = None) -> Prepared:
+def parse_chat(
+    body: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    settings: Settings,
+    *,
+    max_context: int,
+    model_name: str,
+    vocab: int,
+    history: list[dict[str, Any]] | None = None,
+    session_seed: int | None = None,
+) -> Prepared:
     check_chat(body)
     common = _common(body)
     response_format = _get(body, "response_format", dict, {"type": "text"})
     tools = _get(body, "tools", list, None)
     tool_choice = body.get("tool_choice") or "auto"
     if tools is not None:
-        if not all(isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and "name" in t["function"] for t in tools):
+        if not all(
+            isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and "name" in t["function"] for t in tools
+        ):
             raise bad("each tool needs function.name", "tools")
         for t in tools:
             try:  # the same schema drives the grammar and the argument check: both must read it alike
@@ -327,8 +379,14 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     new_messages = list(raw_messages) if isinstance(raw_messages, list) else raw_messages
     all_messages = (history or []) + (new_messages or []) if history is not None else new_messages
     lim = settings.limits
-    check_sizes(all_messages, tools, response_format, max_messages=lim.max_messages, max_tools=lim.max_tools,
-                max_schema_bytes=lim.max_schema_bytes)
+    check_sizes(
+        all_messages,
+        tools,
+        response_format,
+        max_messages=lim.max_messages,
+        max_tools=lim.max_tools,
+        max_schema_bytes=lim.max_schema_bytes,
+    )
     use_tools = tools if tools and tool_choice != "none" else None
     messages = normalize_messages(all_messages, use_tools, native)
     try:
@@ -342,8 +400,9 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     seed = common["seed"] if common["seed"] is not None else session_seed
-    params = _with_dry_breakers(_choices(body, settings, len(chat.ids), max_context, vocab, logprobs, top, seed), body,
-                                tokenizer)
+    params = _with_dry_breakers(
+        _choices(body, settings, len(chat.ids), max_context, vocab, logprobs, top, seed), body, tokenizer
+    )
     contract = None
     if use_tools:
         fmt = pick_format(model_name, settings.defaults.tool_call_format or None)
@@ -353,15 +412,30 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings
     except StructuredOutputError as e:
         raise bad(str(e), e.param) from None
     boundaries = sorted({b for b in chat.message_boundaries if 0 < b < len(chat.ids)})
-    return Prepared(kind="chat", model=model_name, prompt=chat.ids, boundaries=boundaries, params=params,
-                    stop=common["stop"], stream=common["stream"], include_usage=common["include_usage"],
-                    logprobs=logprobs, top_logprobs=top, skip_special_tokens=common["skip_special_tokens"],
-                    tools=contract, messages=list(new_messages), session=body.get("session"),
-                    user=common["user"], seed_given=common["seed"] is not None, constraints=constraints)
+    return Prepared(
+        kind="chat",
+        model=model_name,
+        prompt=chat.ids,
+        boundaries=boundaries,
+        params=params,
+        stop=common["stop"],
+        stream=common["stream"],
+        include_usage=common["include_usage"],
+        logprobs=logprobs,
+        top_logprobs=top,
+        skip_special_tokens=common["skip_special_tokens"],
+        tools=contract,
+        messages=list(new_messages),
+        session=body.get("session"),
+        user=common["user"],
+        seed_given=common["seed"] is not None,
+        constraints=constraints,
+    )
 
 
-def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings, *, max_context: int,
-                     model_name: str, vocab: int) -> Prepared:
+def parse_completion(
+    body: Mapping[str, Any], tokenizer: Tokenizer, settings: Settings, *, max_context: int, model_name: str, vocab: int
+) -> Prepared:
     check_completion(body)
     common = _common(body)
     if body.get("session") is not None:
@@ -386,12 +460,32 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, settings: Se
     echo = bool(_get(body, "echo", bool, False))
     if echo and logprobs:  # the prompt tokens' logprobs would need the prompt's logits, which prefill skips
         raise bad("'echo' with 'logprobs' is not supported (the prompt's logprobs are not computed)", "echo")
-    params = _with_dry_breakers(_choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"],
-                                         completion=True), body, tokenizer)
-    echo_text = "" if not echo else prompt if isinstance(prompt, str) else tokenizer.decode(
-        ids, skip_special_tokens=common["skip_special_tokens"])
-    return Prepared(kind="completion", model=model_name, prompt=ids, boundaries=[], params=params,
-                    stop=common["stop"], stream=common["stream"], include_usage=common["include_usage"],
-                    logprobs=logprobs, top_logprobs=lp or 0, echo=echo, echo_text=echo_text,
-                    skip_special_tokens=common["skip_special_tokens"], user=common["user"],
-                    seed_given=common["seed"] is not None)
+    params = _with_dry_breakers(
+        _choices(body, settings, len(ids), max_context, vocab, logprobs, lp or 0, common["seed"], completion=True),
+        body,
+        tokenizer,
+    )
+    echo_text = (
+        ""
+        if not echo
+        else prompt
+        if isinstance(prompt, str)
+        else tokenizer.decode(ids, skip_special_tokens=common["skip_special_tokens"])
+    )
+    return Prepared(
+        kind="completion",
+        model=model_name,
+        prompt=ids,
+        boundaries=[],
+        params=params,
+        stop=common["stop"],
+        stream=common["stream"],
+        include_usage=common["include_usage"],
+        logprobs=logprobs,
+        top_logprobs=lp or 0,
+        echo=echo,
+        echo_text=echo_text,
+        skip_special_tokens=common["skip_special_tokens"],
+        user=common["user"],
+        seed_given=common["seed"] is not None,
+    )

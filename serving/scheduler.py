@@ -68,8 +68,16 @@ class EngineLike(Protocol):
 
     @property
     def max_context(self) -> int: ...
-    def add(self, prompt: list[int], params: SamplingParams, *, checkpoint: Any = None, cached_tokens: int = 0,
-            constraint: Any = None, stops: Sequence[int] = ()) -> Any: ...
+    def add(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        checkpoint: Any = None,
+        cached_tokens: int = 0,
+        constraint: Any = None,
+        stops: Sequence[int] = (),
+    ) -> Any: ...
     def can_extract(self, seq: Any, n_positions: int) -> bool: ...
     def remove(self, seq: Any) -> None: ...
     def next_prefill(self) -> Any | None: ...
@@ -150,19 +158,35 @@ class Active:
 class Scheduler:
     """Owns the engine on one thread; see the module docstring."""
 
-    def __init__(self, engine: EngineLike, tokenizer: TokenizerLike, settings: SettingsStore, metrics: Metrics,
-                 sessions: SessionStore, *, bytes_per_page: int, vocab: int, cache_options: bytes = b"",
-                 recurrent_bytes: int = 0,
-                 clock: Callable[[], float] = time.perf_counter, on_death: Callable[[BaseException], None] | None = None,
-                 warmup: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        engine: EngineLike,
+        tokenizer: TokenizerLike,
+        settings: SettingsStore,
+        metrics: Metrics,
+        sessions: SessionStore,
+        *,
+        bytes_per_page: int,
+        vocab: int,
+        cache_options: bytes = b"",
+        recurrent_bytes: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+        on_death: Callable[[BaseException], None] | None = None,
+        warmup: Callable[[], None] | None = None,
+    ):
         self.engine = engine
         self.tok = tokenizer
         self.settings = settings
         self.metrics = metrics
         self.sessions = sessions
         layout = engine.layout
-        self.pool = Pool(max_slots=layout.max_slots, usable_pages=layout.n_pages - 1, bytes_per_page=bytes_per_page,
-                         recurrent_bytes=recurrent_bytes, vocab=vocab)
+        self.pool = Pool(
+            max_slots=layout.max_slots,
+            usable_pages=layout.n_pages - 1,
+            bytes_per_page=bytes_per_page,
+            recurrent_bytes=recurrent_bytes,
+            vocab=vocab,
+        )
         self.cache_options = cache_options
         self.clock = clock
         self.on_death = on_death
@@ -305,9 +329,11 @@ class Scheduler:
     def _admit(self) -> None:
         # Choices waiting to fork hold the slots and pages admission counted for them.
         forks = [(a, c) for a in self.active for c in a.waiting_forks]
-        free = Capacity(free_slots=len(self.engine.free_slots) - len(forks),
-                        free_pages=len(self.engine.free_pages) - sum(a.job.pages for a, _ in forks),
-                        active=len(self.active))
+        free = Capacity(
+            free_slots=len(self.engine.free_slots) - len(forks),
+            free_pages=len(self.engine.free_pages) - sum(a.job.pages for a, _ in forks),
+            active=len(self.active),
+        )
         chosen = self.admission.select(self.pending, free, self.clock())
         self.pending = [job for job in self.pending if job not in chosen]
         for job in chosen:
@@ -323,9 +349,19 @@ class Scheduler:
             active.fork_at = len(p.prompt) - 1
         try:
             for i, params in enumerate(p.params):
-                c = Choice(index=i, params=params, text=ChoiceText(
-                    i, self.tok, stop=p.stop, tools=p.tools, skip_special_tokens=p.skip_special_tokens,
-                    logprobs=p.logprobs, response_bytes=job.settings.limits.response_bytes))
+                c = Choice(
+                    index=i,
+                    params=params,
+                    text=ChoiceText(
+                        i,
+                        self.tok,
+                        stop=p.stop,
+                        tools=p.tools,
+                        skip_special_tokens=p.skip_special_tokens,
+                        logprobs=p.logprobs,
+                        response_bytes=job.settings.limits.response_bytes,
+                    ),
+                )
                 active.choices.append(c)
                 if i == 0 or active.fork_at is None:
                     self._add_sequence(active, c, ckpt, cached)
@@ -350,8 +386,14 @@ class Scheduler:
         # Structured output: the grammar constraint was built with the request.
         extra = {"constraint": p.constraints[c.index]} if p.constraints else {}
         stops = self._cache_points(a.job) + ([a.fork_at] if a.fork_at is not None else [])
-        c.seq = self.engine.add(p.prompt, c.params, checkpoint=checkpoint,
-                                cached_tokens=cached if checkpoint is not None else 0, stops=stops, **extra)
+        c.seq = self.engine.add(
+            p.prompt,
+            c.params,
+            checkpoint=checkpoint,
+            cached_tokens=cached if checkpoint is not None else 0,
+            stops=stops,
+            **extra,
+        )
         self.by_seq[c.seq.id] = (a, c)
 
     def _fork(self, a: Active, seq: Any) -> None:
@@ -402,9 +444,15 @@ class Scheduler:
             self._round_failed(members, e)
             return None
         prefillers = {id(a): a for a in (self.by_seq[p.seq_id][0] for p in advanced)}  # n > 1 share a request
-        return InFlight(handle=handle, members=members, prefillers=list(prefillers.values()),
-                        launched=started, compiled=self.compiles.count != compiles,
-                        completes_prompts=handle.plan.completes_prompts, epoch=self._failed_rounds)
+        return InFlight(
+            handle=handle,
+            members=members,
+            prefillers=list(prefillers.values()),
+            launched=started,
+            compiled=self.compiles.count != compiles,
+            completes_prompts=handle.plan.completes_prompts,
+            epoch=self._failed_rounds,
+        )
 
     @staticmethod
     def _cache_points(job: Job) -> list[int]:
@@ -428,8 +476,9 @@ class Scheduler:
         from the lost one. Queued requests and the server go on."""
         self._failed_rounds += 1  # the epoch of rounds launched from now on
         self.metrics.round_failures.inc()
-        log.error("round failed (%d requests in it): %s\n%s", len({id(a) for a, _ in members}), e,
-                  traceback.format_exc())
+        log.error(
+            "round failed (%d requests in it): %s\n%s", len({id(a) for a, _ in members}), e, traceback.format_exc()
+        )
         status, message = faults.round_failure(e)  # device out of memory: 503, else 500
         self.engine.reset()
         self.cache.clear()
@@ -525,8 +574,13 @@ class Scheduler:
         if d.schema_mismatch_arguments or d.empty_arguments_omitted:
             self.metrics.tool_schema_mismatches.inc(d.schema_mismatch_arguments)
             self.metrics.tool_empty_arguments.inc(d.empty_arguments_omitted)
-            log.info("serve %s: tool calls %dx (%d schema mismatches, %d empty arguments omitted)", a.job.id,
-                     calls, d.schema_mismatch_arguments, d.empty_arguments_omitted)
+            log.info(
+                "serve %s: tool calls %dx (%d schema mismatches, %d empty arguments omitted)",
+                a.job.id,
+                calls,
+                d.schema_mismatch_arguments,
+                d.empty_arguments_omitted,
+            )
 
     def _complete(self, a: Active) -> None:
         p = a.job.prepared
@@ -537,15 +591,21 @@ class Scheduler:
             proposed, accepted = sum(d.proposed for d in drafting), sum(d.accepted for d in drafting)
             drafts = (proposed, accepted)
             if proposed:
-                log.info("serve %s: drafts %d, accepted %d (%.0f%%)", a.job.id, proposed, accepted, 100 * accepted / proposed)
+                log.info(
+                    "serve %s: drafts %d, accepted %d (%.0f%%)", a.job.id, proposed, accepted, 100 * accepted / proposed
+                )
         if a.job.session_id is not None:
             end = a.choices[0].end
             reply: dict[str, Any] = {"role": "assistant", "content": end.content or (None if end.tool_calls else "")}
             if end.tool_calls:
                 reply["tool_calls"] = list(end.tool_calls)
-            self.sessions.add_turn(a.job.session_id, a.job.session_messages, reply,
-                                   {"prompt_tokens": len(p.prompt), "completion_tokens": completion,
-                                    "cached_tokens": a.cached_tokens}, seed=p.params[0].seed)
+            self.sessions.add_turn(
+                a.job.session_id,
+                a.job.session_messages,
+                reply,
+                {"prompt_tokens": len(p.prompt), "completion_tokens": completion, "cached_tokens": a.cached_tokens},
+                seed=p.params[0].seed,
+            )
         a.job.output.add(Done(usage(len(p.prompt), completion, a.cached_tokens, drafts), a.job.session_id))
         self._report(a)  # before release: KV fullness includes this request
         self._release(a)
@@ -579,14 +639,31 @@ class Scheduler:
         log.info(
             "serve %s: prefill %d tok (%d cached) in %.2fs (%s tok/s) | decode %d tok in %.2fs (%s tok/s) "
             "| ctx %d/%d (%.0f%% full) | kv cache %d/%d pages (%.0f%% full)",
-            a.job.id, prefill, a.cached_tokens, a.prefill_seconds, _rate(prefill, a.prefill_seconds), decode,
-            a.decode_seconds, _rate(decode, a.decode_seconds), ctx, self.engine.max_context,
-            100 * ctx / max(self.engine.max_context, 1), used, layout.n_pages - 1, 100 * used / max(layout.n_pages - 1, 1),
+            a.job.id,
+            prefill,
+            a.cached_tokens,
+            a.prefill_seconds,
+            _rate(prefill, a.prefill_seconds),
+            decode,
+            a.decode_seconds,
+            _rate(decode, a.decode_seconds),
+            ctx,
+            self.engine.max_context,
+            100 * ctx / max(self.engine.max_context, 1),
+            used,
+            layout.n_pages - 1,
+            100 * used / max(layout.n_pages - 1, 1),
         )
         if self.pool.recurrent_bytes:
             live = len(self.engine.seqs)
-            log.info("serve %s: recurrent state %d/%d slots (%.1f MiB, %.0f%% full)", a.job.id, live, layout.max_slots,
-                     live * self.pool.recurrent_bytes / 2**20, 100 * live / max(layout.max_slots, 1))
+            log.info(
+                "serve %s: recurrent state %d/%d slots (%.1f MiB, %.0f%% full)",
+                a.job.id,
+                live,
+                layout.max_slots,
+                live * self.pool.recurrent_bytes / 2**20,
+                100 * live / max(layout.max_slots, 1),
+            )
 
     # ---- housekeeping and the published snapshot ---------------------------------------
     def _housekeeping(self) -> None:
@@ -608,8 +685,7 @@ class Scheduler:
         held_slots = layout.max_slots - len(self.engine.free_slots)
         held_pages = layout.n_pages - 1 - len(self.engine.free_pages)
         if held_slots or held_pages or self.engine.seqs:
-            return (f"{held_slots} of {layout.max_slots} sequence slots and {held_pages} KV pages are held by "
-                    "no request")
+            return f"{held_slots} of {layout.max_slots} sequence slots and {held_pages} KV pages are held by no request"
         return None
 
     def publish(self) -> None:
@@ -658,11 +734,21 @@ class Scheduler:
             "prefill_chunk_tokens": self.pacer.last,
             "prefill_rate_tokens_per_s": self.pacer.rate,
             "active": [
-                {"id": a.job.id, "phase": a.phase, "session": a.job.session_id, "n": a.job.prepared.n,
-                 "generation": a.job.settings.generation, "reserved_state_bytes": a.job.reservation,
-                 "usage": {"prompt_tokens": len(a.job.prepared.prompt), "cached_tokens": a.cached_tokens,
-                           "generated_tokens": a.generated_tokens},
-                 "prefill_seconds": a.prefill_seconds, "decode_seconds": a.decode_seconds}
+                {
+                    "id": a.job.id,
+                    "phase": a.phase,
+                    "session": a.job.session_id,
+                    "n": a.job.prepared.n,
+                    "generation": a.job.settings.generation,
+                    "reserved_state_bytes": a.job.reservation,
+                    "usage": {
+                        "prompt_tokens": len(a.job.prepared.prompt),
+                        "cached_tokens": a.cached_tokens,
+                        "generated_tokens": a.generated_tokens,
+                    },
+                    "prefill_seconds": a.prefill_seconds,
+                    "decode_seconds": a.decode_seconds,
+                }
                 for a in self.active
             ],
             "prefix_cache": cs,
@@ -677,8 +763,11 @@ def _draft_state(stats: Any) -> dict[str, Any] | None:
     """Drafts verified and accepted at each draft position since start (None: drafting off)."""
     if stats is None or not stats.max_drafts:
         return None
-    return {"proposed": stats.proposed.tolist(), "accepted": stats.accepted.tolist(),
-            "acceptance_by_position": stats.acceptance()}
+    return {
+        "proposed": stats.proposed.tolist(),
+        "accepted": stats.accepted.tolist(),
+        "acceptance_by_position": stats.acceptance(),
+    }
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -698,9 +787,9 @@ def expert_activity(tokens: np.ndarray | None) -> dict | None:
         "per_expert": per_expert.tolist(),
         "idle_experts": int((per_expert == 0).sum()),
         # Max/mean load per layer: 1.0 is perfectly balanced routing.
-        "max_over_mean_per_layer": [
-            float(row.max() / max(row.mean(), 1e-9)) for row in tokens
-        ] if per_layer.any() else [],
+        "max_over_mean_per_layer": [float(row.max() / max(row.mean(), 1e-9)) for row in tokens]
+        if per_layer.any()
+        else [],
     }
 
 

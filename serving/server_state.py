@@ -23,8 +23,16 @@ log = logging.getLogger("jaxllm.serve")
 class Server:
     """What the routes share (on `app.ctx.server`): model, scheduler, stores, settings."""
 
-    def __init__(self, settings: SettingsStore, loader: Callable[[], Any], model_name: str, api_keys: frozenset[str],
-                 warmup: bool, on_death: Callable[[BaseException], None] | None, profile_dir: str | None = None):
+    def __init__(
+        self,
+        settings: SettingsStore,
+        loader: Callable[[], Any],
+        model_name: str,
+        api_keys: frozenset[str],
+        warmup: bool,
+        on_death: Callable[[BaseException], None] | None,
+        profile_dir: str | None = None,
+    ):
         self.settings = settings
         self.profile_dir = profile_dir
         self.profiling = False
@@ -60,8 +68,10 @@ class Server:
             started = time.perf_counter()
             self.model = self.loader()
             self.settings.use_model_defaults(self.model.generation_defaults)
-            log.info("sampling defaults: %s (settings [defaults], else the model's generation config, else OpenAI's)",
-                     self.settings.current.sampling_defaults)
+            log.info(
+                "sampling defaults: %s (settings [defaults], else the model's generation config, else OpenAI's)",
+                self.settings.current.sampling_defaults,
+            )
             self.costs = dataclasses.asdict(model_costs(self.model.cfg, self.model.params, self.model.options))
             e = self.settings.current.engine
             self.engine = self.model.engine(e.engine_config(kv_bytes_per_page(self.model.cfg, 1, self.model.options)))
@@ -70,14 +80,26 @@ class Server:
 
             def warm() -> None:
                 t = time.perf_counter()
-                rounds = warmup_engine(engine, vocab=cfg.vocab_size, progress=self.warmup_progress) if self.warmup else 0
-                log.info("warm-up: %d rounds in %.1fs (model loaded in %.1fs)", rounds, time.perf_counter() - t, t - started)
+                rounds = (
+                    warmup_engine(engine, vocab=cfg.vocab_size, progress=self.warmup_progress) if self.warmup else 0
+                )
+                log.info(
+                    "warm-up: %d rounds in %.1fs (model loaded in %.1fs)", rounds, time.perf_counter() - t, t - started
+                )
 
             self.scheduler = Scheduler(
-                engine, self.model.tokenizer, self.settings, self.metrics, self.sessions,
-                bytes_per_page=int(kv_bytes_per_page(cfg, engine.layout.page_size, opts)), vocab=cfg.vocab_size,
+                engine,
+                self.model.tokenizer,
+                self.settings,
+                self.metrics,
+                self.sessions,
+                bytes_per_page=int(kv_bytes_per_page(cfg, engine.layout.page_size, opts)),
+                vocab=cfg.vocab_size,
                 recurrent_bytes=recurrent_bytes_per_sequence(cfg),
-                cache_options=f"{self.model_name}:{opts.dtype}:{opts.kv_dtype}".encode(), on_death=self.on_death, warmup=warm)
+                cache_options=f"{self.model_name}:{opts.dtype}:{opts.kv_dtype}".encode(),
+                on_death=self.on_death,
+                warmup=warm,
+            )
             self.scheduler.start()
         except BaseException as e:  # noqa: BLE001
             self.load_error = e

@@ -52,12 +52,20 @@ class Session:
     created: float
     used_at: float
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    usage: dict[str, int] = dataclasses.field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0})
+    usage: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    )
     turns: int = 0
 
     def public(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "session", "created": int(self.created), "turns": self.turns,
-                "messages": list(self.messages), "usage": dict(self.usage)}
+        return {
+            "id": self.id,
+            "object": "session",
+            "created": int(self.created),
+            "turns": self.turns,
+            "messages": list(self.messages),
+            "usage": dict(self.usage),
+        }
 
 
 class SessionBusy(Exception):
@@ -78,8 +86,13 @@ class SessionStore:
     def create(self, api_key: str | None, *, rng: int | None = None, claimed: bool = False) -> Session:
         """A new session owned by `api_key`; `claimed`: its first turn is in progress."""
         now = self.clock()
-        s = Session(id=secrets.token_hex(16), owner=_key_hash(api_key), rng=secrets.randbits(32) if rng is None else rng,
-                    created=time.time(), used_at=now)
+        s = Session(
+            id=secrets.token_hex(16),
+            owner=_key_hash(api_key),
+            rng=secrets.randbits(32) if rng is None else rng,
+            created=time.time(),
+            used_at=now,
+        )
         with self._lock:
             self._sessions[s.id] = s
             self.created += 1
@@ -133,8 +146,14 @@ class SessionStore:
             self._busy.discard(session_id)
             return True
 
-    def add_turn(self, session_id: str, new_messages: list[dict[str, Any]], reply: dict[str, Any],
-                 usage: dict[str, int], seed: int | None) -> None:
+    def add_turn(
+        self,
+        session_id: str,
+        new_messages: list[dict[str, Any]],
+        reply: dict[str, Any],
+        usage: dict[str, int],
+        seed: int | None,
+    ) -> None:
         """Appends a finished turn; `seed` is the seed it sampled with (the session's rng or
         the request's own), from which the next turn's rng follows."""
         with self._lock:
@@ -181,15 +200,26 @@ class SessionStore:
         self.expire()
         now, wall = self.clock(), time.time()
         with self._lock:
-            rows = [{"id": s.id, "owner": s.owner, "rng": s.rng, "created": s.created,
-                     "used_wall": wall - (now - s.used_at), "messages": s.messages, "usage": s.usage,
-                     "turns": s.turns} for s in self._sessions.values()]
+            rows = [
+                {
+                    "id": s.id,
+                    "owner": s.owner,
+                    "rng": s.rng,
+                    "created": s.created,
+                    "used_wall": wall - (now - s.used_at),
+                    "messages": s.messages,
+                    "usage": s.usage,
+                    "turns": s.turns,
+                }
+                for s in self._sessions.values()
+            ]
         import orbax.checkpoint as ocp  # only servers that persist pay for the import
 
         self.directory.parent.mkdir(parents=True, exist_ok=True)
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
-            ckptr.save(self.directory, args=ocp.args.JsonSave({"version": self._FILE_VERSION, "sessions": rows}),
-                       force=True)
+            ckptr.save(
+                self.directory, args=ocp.args.JsonSave({"version": self._FILE_VERSION, "sessions": rows}), force=True
+            )
         return len(rows)
 
     def _load(self) -> None:
@@ -198,15 +228,24 @@ class SessionStore:
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
             data = ckptr.restore(self.directory, args=ocp.args.JsonRestore())
         if data.get("version") != self._FILE_VERSION:
-            raise ValueError(f"{self.directory}: sessions saved in format {data.get('version')!r}, "
-                             f"this server reads {self._FILE_VERSION}")
+            raise ValueError(
+                f"{self.directory}: sessions saved in format {data.get('version')!r}, "
+                f"this server reads {self._FILE_VERSION}"
+            )
         now, wall = self.clock(), time.time()
         with self._lock:
             for r in data["sessions"]:
                 # Idle time spans the downtime: a session expires `ttl` after its last use.
-                s = Session(id=r["id"], owner=r["owner"], rng=int(r["rng"]), created=float(r["created"]),
-                            used_at=now - max(0.0, wall - float(r["used_wall"])), messages=list(r["messages"]),
-                            usage={k: int(v) for k, v in r["usage"].items()}, turns=int(r["turns"]))
+                s = Session(
+                    id=r["id"],
+                    owner=r["owner"],
+                    rng=int(r["rng"]),
+                    created=float(r["created"]),
+                    used_at=now - max(0.0, wall - float(r["used_wall"])),
+                    messages=list(r["messages"]),
+                    usage={k: int(v) for k, v in r["usage"].items()},
+                    turns=int(r["turns"]),
+                )
                 self._sessions[s.id] = s
         self.expire()
 
@@ -216,8 +255,15 @@ class SessionTurn:
     409 otherwise) and released when the response ends; a new one is created only once the
     request is accepted, and deleted again if it fails before its first turn."""
 
-    def __init__(self, store: SessionStore, key: str | None, session_id: str | None, history: list | None,
-                 seed: int | None, new: bool):
+    def __init__(
+        self,
+        store: SessionStore,
+        key: str | None,
+        session_id: str | None,
+        history: list | None,
+        seed: int | None,
+        new: bool,
+    ):
         self.store, self.key, self.id, self.history, self.seed, self.new = store, key, session_id, history, seed, new
         self.completed = False
 
@@ -232,10 +278,17 @@ class SessionTurn:
         try:
             snap = store.claim(sess, key)
         except SessionBusy:
-            raise ApiError(409, f"session '{sess}' has a turn in progress; send the next turn after it ends",
-                           type="invalid_request_error", param="session", code="session_busy") from None
+            raise ApiError(
+                409,
+                f"session '{sess}' has a turn in progress; send the next turn after it ends",
+                type="invalid_request_error",
+                param="session",
+                code="session_busy",
+            ) from None
         if snap is None:
-            raise ApiError(404, f"session '{sess}' does not exist (or expired)", param="session", code="session_not_found")
+            raise ApiError(
+                404, f"session '{sess}' does not exist (or expired)", param="session", code="session_not_found"
+            )
         history, seed = snap
         return cls(store, key, sess, history, seed, False)
 

@@ -99,8 +99,11 @@ class EngineShape:
         if self.backend not in BACKENDS:
             raise ValueError(f"[engine] backend = {self.backend!r}: must be one of {', '.join(BACKENDS)}")
         for old, new in (("max_slots", "slots"), ("max_seq_len", "context")):
-            if getattr(self, old) is not None and getattr(self, new) != EngineShape.__dataclass_fields__[new].default \
-                    and getattr(self, old) != getattr(self, new):
+            if (
+                getattr(self, old) is not None
+                and getattr(self, new) != EngineShape.__dataclass_fields__[new].default
+                and getattr(self, old) != getattr(self, new)
+            ):
                 raise ValueError(f"[engine] sets both {new} and its older spelling {old}, differently")
         # A bad shape fails when the settings are read, with the runtime's message ("auto" is
         # checked as the CPU's shapes: asking JAX for its backend here would start it).
@@ -121,8 +124,16 @@ class EngineShape:
 
     def overrides(self) -> dict[str, Any]:
         """The advanced fields this file sets, by EngineConfig name."""
-        names = ("page_size", "chunk_buckets", "min_ctx_pages", "decode_steps_per_call", "decode_widths",
-                 "chunk_segments", "chunk_decode_width", "max_drafts")
+        names = (
+            "page_size",
+            "chunk_buckets",
+            "min_ctx_pages",
+            "decode_steps_per_call",
+            "decode_widths",
+            "chunk_segments",
+            "chunk_decode_width",
+            "max_drafts",
+        )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def engine_config(self, kv_bytes_per_position: int | None = None, backend: str | None = None) -> EngineConfig:
@@ -135,8 +146,13 @@ class EngineShape:
         """
         resolved = self.backend if self.backend != "auto" else backend or _default_backend()
         return derive_engine(
-            slots=self.n_slots, context=self.n_context, kv_mib=self.kv_mib, backend=resolved,
-            kv_bytes_per_position=kv_bytes_per_position or 1, extra_samplers=self.extra_samplers, **self.overrides(),
+            slots=self.n_slots,
+            context=self.n_context,
+            kv_mib=self.kv_mib,
+            backend=resolved,
+            kv_bytes_per_position=kv_bytes_per_position or 1,
+            extra_samplers=self.extra_samplers,
+            **self.overrides(),
         )
 
 
@@ -146,8 +162,9 @@ def _default_backend() -> str:
     return "gpu" if jax.default_backend() == "gpu" else "cpu"
 
 
-def derive_engine(*, slots: int, context: int, kv_mib: int, backend: str, kv_bytes_per_position: int = 1,
-                  **overrides: Any) -> EngineConfig:
+def derive_engine(
+    *, slots: int, context: int, kv_mib: int, backend: str, kv_bytes_per_position: int = 1, **overrides: Any
+) -> EngineConfig:
     """Every EngineConfig shape from slots, context, the K/V budget and the backend.
 
     CPU: prefill is compute-bound, so chunk buckets at most double one another (little padding
@@ -191,8 +208,13 @@ def derive_engine(*, slots: int, context: int, kv_mib: int, backend: str, kv_byt
     else:
         kv_bytes = (slots * (-(-context // page) + 1) + 1) * page * kv_bytes_per_position
     shapes.update(overrides)
-    return EngineConfig(max_slots=slots, max_seq_len=context, kv_bytes=kv_bytes, page_size=page,
-                        **{k: tuple(v) if isinstance(v, list) else v for k, v in shapes.items() if k != "page_size"})
+    return EngineConfig(
+        max_slots=slots,
+        max_seq_len=context,
+        kv_bytes=kv_bytes,
+        page_size=page,
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in shapes.items() if k != "page_size"},
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -224,9 +246,18 @@ class Settings:
 # Smallest value of each numeric setting (default 0); a value the server divides by or
 # needs at least one of is refused when read, at start-up and on reload alike.
 _MINIMUM: dict[str, float] = {
-    "active_requests": 1, "active_state_mib": 1, "request_bytes": 1, "response_bytes": 1, "max_output_tokens": 1,
-    "prefill_quantum": 1, "max_messages": 1, "max_tokens": 1, "top_k": -1, "max_connections": 1,
-    "slots": 1, "context": 1,
+    "active_requests": 1,
+    "active_state_mib": 1,
+    "request_bytes": 1,
+    "response_bytes": 1,
+    "max_output_tokens": 1,
+    "prefill_quantum": 1,
+    "max_messages": 1,
+    "max_tokens": 1,
+    "top_k": -1,
+    "max_connections": 1,
+    "slots": 1,
+    "context": 1,
 }
 _EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p", "body_seconds", "profile_max_seconds"}  # must be > 0
 
@@ -247,11 +278,13 @@ def _check_value(name: str, value: Any, kind: Any, where: str) -> None:
     else:  # tuple[int, ...]
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if not ok:
-        raise ValueError(f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers').replace('bool', 'true or false')}")
+        raise ValueError(
+            f"{label}: must be {str(kind).replace('tuple[int, ...]', 'a list of integers').replace('bool', 'true or false')}"
+        )
     if name == "backend" and value not in BACKENDS:
         raise ValueError(f"{label}: must be one of {', '.join(BACKENDS)}")
     if name == "tool_call_format" and value not in ("", *FORMATS):
-        raise ValueError(f"{label}: must be one of \"\", {', '.join(FORMATS)}")
+        raise ValueError(f'{label}: must be one of "", {", ".join(FORMATS)}')
     if isinstance(value, (int, float)):
         low = _MINIMUM.get(name, 0)
         if value < low or name in _EXCLUSIVE_ZERO and value <= 0:
@@ -268,8 +301,7 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
     for name, value in table.items():
         _check_value(name, value, fields[name], where)
     floats = ("float", float, "float | None")
-    kw = {k: tuple(v) if isinstance(v, list) else float(v) if fields[k] in floats else v
-          for k, v in table.items()}
+    kw = {k: tuple(v) if isinstance(v, list) else float(v) if fields[k] in floats else v for k, v in table.items()}
     return cls(**kw)
 
 

@@ -68,7 +68,9 @@ def check_json_schema(schema: Any, param: str) -> None:
         if ref in done:
             return
         if ref in expanding:
-            raise StructuredOutputError(f"recursive JSON schemas are not supported ($ref {ref!r} refers to itself)", param)
+            raise StructuredOutputError(
+                f"recursive JSON schemas are not supported ($ref {ref!r} refers to itself)", param
+            )
         walk(_resolve(schema, ref, param), depth + 1, (*expanding, ref))
         done.add(ref)
 
@@ -115,8 +117,9 @@ def _grammar_of(response_format: Mapping[str, Any], tools: ToolContract | None) 
     )
 
 
-def build_constraints(response_format: Mapping[str, Any], tools: ToolContract | None, tokenizer: Tokenizer,
-                      model_vocab: int, n: int) -> tuple[GrammarConstraint, ...]:
+def build_constraints(
+    response_format: Mapping[str, Any], tools: ToolContract | None, tokenizer: Tokenizer, model_vocab: int, n: int
+) -> tuple[GrammarConstraint, ...]:
     """One constraint per choice, or () when the output is free.
 
     Raises:

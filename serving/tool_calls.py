@@ -109,10 +109,7 @@ class ToolContract:
         tool_choice: str | Mapping[str, Any] = "auto",
     ) -> ToolContract:
         """Builds a contract from a request's ``tools`` list (OpenAI shape)."""
-        table = {
-            t["function"]["name"]: t["function"].get("parameters") or {}
-            for t in tools
-        }
+        table = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         return cls(tools=table, format=format, tool_choice=tool_choice)
 
     def allowed_names(self) -> frozenset[str]:
@@ -314,9 +311,7 @@ class ToolCallDecoder:
         terminal = decoder.finish()        # publish content_tail, tool_call_deltas
     """
 
-    def __init__(
-        self, contract: ToolContract, *, new_id: Callable[[], str] = tool_call_id
-    ) -> None:
+    def __init__(self, contract: ToolContract, *, new_id: Callable[[], str] = tool_call_id) -> None:
         """Creates a decoder for one request.
 
         Args:
@@ -364,11 +359,7 @@ class ToolCallDecoder:
         self._advance(final=True)
         self._finished = True
         events = self._take()
-        if (
-            self._contract.tool_choice == "required"
-            and not self._calls
-            and self._reason is FallbackReason.NONE
-        ):
+        if self._contract.tool_choice == "required" and not self._calls and self._reason is FallbackReason.NONE:
             self._reason = FallbackReason.MISSING_REQUIRED_CALL
         return Terminal(
             content_tail=events.content,
@@ -579,9 +570,7 @@ class ToolCallDecoder:
         self._after_call = True
         self._after_block()
 
-    def _check_calls(
-        self, calls: list[tuple[str, Any]]
-    ) -> list[tuple[str, Any]] | FallbackReason:
+    def _check_calls(self, calls: list[tuple[str, Any]]) -> list[tuple[str, Any]] | FallbackReason:
         """Checks names and normalizes arguments; all calls of a block or none."""
         out = []
         for name, args in calls:
@@ -606,9 +595,7 @@ class ToolCallDecoder:
         validator = self._validators.get(name)
         if validator is not None and not _is_valid(validator, args):
             self._schema_mismatch += 1
-        call = ParsedCall(
-            name=name, arguments_json=json.dumps(args, ensure_ascii=False), id=self._new_id()
-        )
+        call = ParsedCall(name=name, arguments_json=json.dumps(args, ensure_ascii=False), id=self._new_id())
         index = len(self._calls)
         self._calls.append(call)
         self._deltas.append(ToolCallDelta(index=index, id=call.id, name=name))

@@ -20,14 +20,45 @@ FLOAT32_MAX = 3.4028234e38  # sampler values are float32 on the device
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # what an int field may hold (seed: OpenAI allows 64 bits)
 MAX_DEPTH = 64  # JSON nesting: deeper bodies are refused before anything walks them recursively
 
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                # the research samplers (a server with [engine] extra_samplers)
-                "typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "dry_multiplier", "dry_base",
-                "xtc_probability", "xtc_threshold", "mirostat_tau", "mirostat_eta")
-INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "top_k", "top_logprobs", "seed",
-              "dry_allowed_length", "mirostat_mode")
-BOOL_FIELDS = ("stream", "echo", "ignore_eos", "skip_special_tokens", "add_generation_prompt", "add_special_tokens",
-               "return_token_strs")
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    # the research samplers (a server with [engine] extra_samplers)
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "top_n_sigma",
+    "dry_multiplier",
+    "dry_base",
+    "xtc_probability",
+    "xtc_threshold",
+    "mirostat_tau",
+    "mirostat_eta",
+)
+INT_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "n",
+    "top_k",
+    "top_logprobs",
+    "seed",
+    "dry_allowed_length",
+    "mirostat_mode",
+)
+BOOL_FIELDS = (
+    "stream",
+    "echo",
+    "ignore_eos",
+    "skip_special_tokens",
+    "add_generation_prompt",
+    "add_special_tokens",
+    "return_token_strs",
+)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -144,13 +175,16 @@ def check_scalars(body: Mapping[str, Any]) -> None:
         for t in ids:
             check_int(t, "stop_token_ids")
     breakers = body.get("dry_sequence_breakers")
-    if breakers is not None and not (isinstance(breakers, list) and len(breakers) <= 16
-                                     and all(isinstance(b, str) and b for b in breakers)):
+    if breakers is not None and not (
+        isinstance(breakers, list) and len(breakers) <= 16 and all(isinstance(b, str) and b for b in breakers)
+    ):
         raise bad("'dry_sequence_breakers' must be a list of up to 16 non-empty strings", "dry_sequence_breakers")
     opts = body.get("stream_options")
     if opts is not None:
         _check_type(opts, dict, "stream_options", "an object")
-        _optional(opts, "include_usage", lambda v, p: _check_type(v, bool, "stream_options.include_usage", "true or false"))
+        _optional(
+            opts, "include_usage", lambda v, p: _check_type(v, bool, "stream_options.include_usage", "true or false")
+        )
 
 
 # ---- chat structures ------------------------------------------------------------------
@@ -178,8 +212,9 @@ def check_messages(messages: Any) -> None:
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
-                              f"{where}.content[{j}]")
+                    raise bad(
+                        'only text content parts ({"type": "text", "text": ...}) are supported', f"{where}.content[{j}]"
+                    )
         elif content is not None and not isinstance(content, str):
             raise bad(f"'{where}.content' must be a string or a list of text parts", f"{where}.content")
         for name in ("name", "tool_call_id"):
@@ -192,8 +227,10 @@ def check_messages(messages: Any) -> None:
                 _optional_type(c, "id", str, f"{where}.tool_calls[{j}]", "a string")
                 args = fn.get("arguments")
                 if args is not None and not isinstance(args, (str, dict)):
-                    raise bad("tool call arguments must be a JSON string or an object",
-                              f"{where}.tool_calls[{j}].function.arguments")
+                    raise bad(
+                        "tool call arguments must be a JSON string or an object",
+                        f"{where}.tool_calls[{j}].function.arguments",
+                    )
 
 
 def check_tools(tools: Any, tool_choice: Any) -> None:
@@ -219,19 +256,29 @@ def check_response_format(rf: Any) -> None:
 
 
 # ---- sizes (the work a request can cause before any limit on tokens applies) -------------
-def check_sizes(messages: list[Any], tools: list[Any] | None, response_format: Any, *, max_messages: int,
-                max_tools: int, max_schema_bytes: int) -> None:
+def check_sizes(
+    messages: list[Any],
+    tools: list[Any] | None,
+    response_format: Any,
+    *,
+    max_messages: int,
+    max_tools: int,
+    max_schema_bytes: int,
+) -> None:
     """Message count (a session's history included), tool count and schema size."""
     if len(messages) > max_messages:
-        raise bad(f"the conversation has {len(messages)} messages, over the server's max_messages ({max_messages})",
-                  "messages")
+        raise bad(
+            f"the conversation has {len(messages)} messages, over the server's max_messages ({max_messages})",
+            "messages",
+        )
     if tools and len(tools) > max_tools:
         raise bad(f"{len(tools)} tools is over the server's max_tools ({max_tools})", "tools")
     for param, value in (("tools", tools), ("response_format", response_format)):
         size = len(json.dumps(value)) if value else 0
         if size > max_schema_bytes:
-            raise bad(f"'{param}' is {size} bytes of JSON, over the server's max_schema_bytes ({max_schema_bytes})",
-                      param)
+            raise bad(
+                f"'{param}' is {size} bytes of JSON, over the server's max_schema_bytes ({max_schema_bytes})", param
+            )
 
 
 # ---- whole bodies ---------------------------------------------------------------------

@@ -47,4 +47,3 @@ def smollm2_gguf_path() -> Path:
     from jaxllm.loading.default_model import default_model_path
 
     return default_model_path()
-

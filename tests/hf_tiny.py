@@ -18,8 +18,16 @@ from typing import Any
 
 import numpy as np
 
-FAMILIES = ("llama", "llama3-rope-scaled", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text",
-            "qwen3_5_text")
+FAMILIES = (
+    "llama",
+    "llama3-rope-scaled",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
+)
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_text")
 
 # The hybrid family at toy sizes: two groups of (DeltaNet, gated attention) so the group scan
@@ -34,8 +42,9 @@ _HYBRID: dict[str, Any] = dict(
     linear_conv_kernel_dim=4,
     partial_rotary_factor=0.25,
 )
-_HYBRID_MOE: dict[str, Any] = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
-                                   num_experts_per_tok=2)
+_HYBRID_MOE: dict[str, Any] = dict(
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2
+)
 
 # Small but not degenerate: GQA (4 query heads on 2 kv heads), ffn rows a multiple of 32
 # so Q8_0 / Q4_0 blocks fit, two layers so stacking order matters.
@@ -78,8 +87,14 @@ def _config(family: str, overrides: dict[str, Any]) -> Any:
         cls = transformers.Qwen3Config
     elif family == "qwen3_moe":
         cls = transformers.Qwen3MoeConfig
-        kw.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                  decoder_sparse_step=1, mlp_only_layers=[])
+        kw.update(
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     elif family == "qwen3_next":
         cls = transformers.Qwen3NextConfig
         kw.update(_HYBRID, **_HYBRID_MOE, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
@@ -105,7 +120,9 @@ def _config(family: str, overrides: dict[str, Any]) -> Any:
     return cls(**kw)
 
 
-def make_tiny_hf_model(family: str, tmpdir: str | Path, *, seed: int = 0, noise: float = 0.05, **overrides: Any) -> Path:
+def make_tiny_hf_model(
+    family: str, tmpdir: str | Path, *, seed: int = 0, noise: float = 0.05, **overrides: Any
+) -> Path:
     """Builds, perturbs and saves a tiny random HF causal LM.
 
     Args:
@@ -198,8 +215,14 @@ def hf_to_gguf(
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     mt = hf["model_type"]
     if mt in _HYBRID_GGUF_ARCH:
-        return _hybrid_to_gguf(hf, read_hf_state(model_dir), Path(path), gguf.GGMLQuantizationType[qtype],
-                               raw_overrides or {}, legacy_qkvz=legacy_qkvz)
+        return _hybrid_to_gguf(
+            hf,
+            read_hf_state(model_dir),
+            Path(path),
+            gguf.GGMLQuantizationType[qtype],
+            raw_overrides or {},
+            legacy_qkvz=legacy_qkvz,
+        )
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[mt]
     n_head, n_kv = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
@@ -292,7 +315,8 @@ def _add_tensor(w: Any, name: str, x: np.ndarray, qt: Any, raw_overrides: dict[s
     x = np.ascontiguousarray(x, dtype=np.float32)
     block = gguf.GGML_QUANT_SIZES[qt][0]
     keep_f32 = not name.endswith(".weight") or name.endswith(
-        ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight"))
+        ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+    )
     if x.ndim == 1 or keep_f32 or qt == gguf.GGMLQuantizationType.F32 or x.shape[-1] % block:
         w.add_tensor(name, x)
     elif qt == gguf.GGMLQuantizationType.F16:
@@ -307,12 +331,13 @@ def tile_value_heads(x: np.ndarray, axis: int, n_k_heads: int, n_v_heads: int) -
     axis = axis % x.ndim
     r = n_v_heads // n_k_heads
     n = x.shape[axis]
-    shape = x.shape[:axis] + (n_k_heads, r, n // n_v_heads) + x.shape[axis + 1:]
+    shape = x.shape[:axis] + (n_k_heads, r, n // n_v_heads) + x.shape[axis + 1 :]
     return np.swapaxes(x.reshape(shape), axis, axis + 1).reshape(x.shape)
 
 
-def _hybrid_transform(hf: dict[str, Any], arch: str, name: str, x: np.ndarray,
-                      legacy_qkvz: bool) -> list[tuple[str, np.ndarray]]:
+def _hybrid_transform(
+    hf: dict[str, Any], arch: str, name: str, x: np.ndarray, legacy_qkvz: bool
+) -> list[tuple[str, np.ndarray]]:
     """One HF tensor of the hybrid family -> [(HF-style name to map, tensor)], the way
     convert_hf_to_gguf.py transforms it: first Qwen3.5's value-head reorder
     (_LinearAttentionVReorderBase.modify_tensors), then Qwen3NextModel.modify_tensors."""
@@ -323,7 +348,9 @@ def _hybrid_transform(hf: dict[str, Any], arch: str, name: str, x: np.ndarray,
         qk = 2 * Hk * Dk
         if ".in_proj_qkv." in name:
             x = np.concatenate([x[:qk], tile(x[qk:], 0)])
-        elif any(p in name for p in (".in_proj_z.", ".in_proj_b.", ".in_proj_a.")) or name.endswith((".A_log", ".dt_bias")):
+        elif any(p in name for p in (".in_proj_z.", ".in_proj_b.", ".in_proj_a.")) or name.endswith(
+            (".A_log", ".dt_bias")
+        ):
             x = tile(x, 0)
         elif ".conv1d" in name:
             x = x.squeeze()
@@ -358,13 +385,22 @@ def _interval(hf: dict[str, Any]) -> int:
     every = types.index("full_attention") + 1
     want = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(len(types))]
     if list(types) != want:
-        raise ValueError(f"layer_types {types} is not every-{every}th-layer full attention; "
-                         "GGUF's full_attention_interval cannot express it")
+        raise ValueError(
+            f"layer_types {types} is not every-{every}th-layer full attention; "
+            "GGUF's full_attention_interval cannot express it"
+        )
     return every
 
 
-def _hybrid_to_gguf(hf: dict[str, Any], state: dict[str, np.ndarray], path: Path, qt: Any,
-                    raw_overrides: dict[str, tuple[np.ndarray, Any]], *, legacy_qkvz: bool) -> Path:
+def _hybrid_to_gguf(
+    hf: dict[str, Any],
+    state: dict[str, np.ndarray],
+    path: Path,
+    qt: Any,
+    raw_overrides: dict[str, tuple[np.ndarray, Any]],
+    *,
+    legacy_qkvz: bool,
+) -> Path:
     """Writes a tiny Qwen3-Next / Qwen3.5 (dense or MoE) as llama.cpp's converter does.
 
     Metadata: Qwen2MoeModel / Qwen3NextModel / _Qwen35MRopeMixin set_gguf_parameters (ssm.*
@@ -433,8 +469,13 @@ def _hybrid_to_gguf(hf: dict[str, Any], state: dict[str, np.ndarray], path: Path
         for name, t in _hybrid_transform(hf, arch, hf_name, x, legacy_qkvz):
             _add_tensor(w, _gguf_name(names, name, arch), t, qt, raw_overrides)
     for name, parts in stacked.items():
-        _add_tensor(w, _gguf_name(names, name, arch), np.stack([t for _, t in sorted(parts, key=lambda p: p[0])]),
-                    qt, raw_overrides)
+        _add_tensor(
+            w,
+            _gguf_name(names, name, arch),
+            np.stack([t for _, t in sorted(parts, key=lambda p: p[0])]),
+            qt,
+            raw_overrides,
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

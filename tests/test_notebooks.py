@@ -31,12 +31,16 @@ def _texts(nb) -> list[str]:
 def _checks(nb) -> dict:
     lines = [line for text in _texts(nb) for line in text.splitlines() if line.startswith("CHECKS ")]
     assert len(lines) == 1, "the notebook prints one CHECKS line"
-    return json.loads(lines[0][len("CHECKS "):])
+    return json.loads(lines[0][len("CHECKS ") :])
 
 
 def _has_image(nb) -> bool:
-    return any("image/png" in o.get("data", {}) for cell in nb.cells if cell.cell_type == "code"
-               for o in cell.get("outputs", []))
+    return any(
+        "image/png" in o.get("data", {})
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for o in cell.get("outputs", [])
+    )
 
 
 def check_quickstart(nb) -> None:
@@ -62,8 +66,11 @@ def check_state(nb) -> None:
     assert _has_image(nb)
 
 
-CHECKS = {"quickstart.ipynb": check_quickstart, "sampling_comparison.ipynb": check_sampling_comparison,
-          "state.ipynb": check_state}
+CHECKS = {
+    "quickstart.ipynb": check_quickstart,
+    "sampling_comparison.ipynb": check_sampling_comparison,
+    "state.ipynb": check_state,
+}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -63,7 +63,8 @@ def test_settings_found_outside_the_repository(tmp_path):
 def test_debug_hook_for_kernel_choices():
     assert debug_overrides("") == {}
     assert debug_overrides("decode_attention=reference, decode_matmul=xla") == {
-        "decode_attention": "reference", "decode_matmul": "xla",
+        "decode_attention": "reference",
+        "decode_matmul": "xla",
     }
     with pytest.raises(ValueError, match="JAXLLM_DEBUG_KERNELS"):
         debug_overrides("page_size=8")

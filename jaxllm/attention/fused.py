@@ -78,8 +78,16 @@ def chunk_attention(
 
     def reference() -> jax.Array:
         return paged_attention(
-            q, k_new, v_new, positions, k_pages, v_pages, page_table, continuing,
-            window_len=window_len, n_ctx_pages=n_ctx_pages,
+            q,
+            k_new,
+            v_new,
+            positions,
+            k_pages,
+            v_pages,
+            page_table,
+            continuing,
+            window_len=window_len,
+            n_ctx_pages=n_ctx_pages,
         )
 
     return jax.lax.cond(no_context, fused, reference)

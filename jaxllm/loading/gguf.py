@@ -97,7 +97,9 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, orig_ctx: 
         high = low + width
     else:
         low, high = 1.0, 4.0  # Llama 3's published values; check below that they fit.
-    scaling = RopeScaling(factor=factor, low_freq_factor=float(low), high_freq_factor=float(high), original_max_position=orig_ctx)
+    scaling = RopeScaling(
+        factor=factor, low_freq_factor=float(low), high_freq_factor=float(high), original_max_position=orig_ctx
+    )
     if not np.allclose(llama3_rope_factors(scaling, theta, head_dim), factors, rtol=1e-4):
         warnings.warn("rope_freqs tensor is not reproduced exactly by the recovered llama3 rope scaling", stacklevel=3)
     return scaling
@@ -134,8 +136,11 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         return v
 
     src = "GGUF metadata"
-    check_dims(src, width=(f"{arch}.embedding_length", meta("embedding_length")),
-               heads=(f"{arch}.attention.head_count", meta("attention.head_count")))
+    check_dims(
+        src,
+        width=(f"{arch}.embedding_length", meta("embedding_length")),
+        heads=(f"{arch}.attention.head_count", meta("attention.head_count")),
+    )
     if arch in _HYBRID_ARCHS:
         from jaxllm.loading.gguf_hybrid import hybrid_gguf_config
 
@@ -145,10 +150,14 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     n_heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", d_model // n_heads))
     n_layers = meta("block_count")
-    check_dims(src, head_dim=(f"{arch}.attention.key_length", head_dim), layers=(f"{arch}.block_count", n_layers),
-               kv_heads=(f"{arch}.attention.head_count_kv", meta("attention.head_count_kv", n_heads)),
-               ffn=(f"{arch}.feed_forward_length", meta("feed_forward_length", 0)),
-               context=(f"{arch}.context_length", meta("context_length", 4096)))
+    check_dims(
+        src,
+        head_dim=(f"{arch}.attention.key_length", head_dim),
+        layers=(f"{arch}.block_count", n_layers),
+        kv_heads=(f"{arch}.attention.head_count_kv", meta("attention.head_count_kv", n_heads)),
+        ffn=(f"{arch}.feed_forward_length", meta("feed_forward_length", 0)),
+        context=(f"{arch}.context_length", meta("context_length", 4096)),
+    )
     check_heads(src, n_heads, int(meta("attention.head_count_kv", n_heads)))
     blocks = {int(m[1]) for t in names if (m := re.match(r"blk\.(\d+)\.", t))}
     if blocks and len(blocks) != int(n_layers):
@@ -230,9 +239,7 @@ def _block_tensor(asm: ParamAssembler, cfg: ModelConfig, permuted: bool, i: int,
     return True
 
 
-def load_gguf_model(
-    path: str | Path, *, dtype: str = "float32", progress: bool = True
-) -> tuple[ModelConfig, Params]:
+def load_gguf_model(path: str | Path, *, dtype: str = "float32", progress: bool = True) -> tuple[ModelConfig, Params]:
     """Loads a GGUF file into (config, params), dequantizing every tensor.
 
     Args:

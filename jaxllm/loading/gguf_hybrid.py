@@ -49,6 +49,7 @@ def _f32(v: Any) -> float:
     here so the hybrid mapping does not import its caller back)."""
     return float(np.format_float_positional(np.float32(v), unique=True, trim="-"))
 
+
 # Architectures whose converter tiles the value heads (see the module docstring).
 _TILED_ARCHS = ("qwen35", "qwen35moe")
 _MOE_ARCHS = ("qwen3next", "qwen35moe")
@@ -67,13 +68,11 @@ def untile_value_heads(w: np.ndarray, axis: int, n_k_heads: int, n_v_heads: int)
     if r == 1:
         return w
     n = w.shape[axis]
-    shape = w.shape[:axis] + (r, n_k_heads, n // n_v_heads) + w.shape[axis + 1:]
+    shape = w.shape[:axis] + (r, n_k_heads, n // n_v_heads) + w.shape[axis + 1 :]
     return np.swapaxes(w.reshape(shape), axis, axis + 1).reshape(w.shape)
 
 
-def hybrid_gguf_config(
-    reader: gguf.GGUFReader, arch: str, meta: Callable[..., Any]
-) -> ModelConfig:
+def hybrid_gguf_config(reader: gguf.GGUFReader, arch: str, meta: Callable[..., Any]) -> ModelConfig:
     """The ModelConfig of a hybrid GGUF (metadata plus which blocks hold attention tensors).
 
     Args:
@@ -104,8 +103,10 @@ def hybrid_gguf_config(
     if interval is not None:
         want = [FULL_ATTENTION if (i + 1) % int(interval) == 0 else LINEAR_ATTENTION for i in range(n_layers)]
         if want != types:
-            raise ValueError(f"GGUF {arch}.full_attention_interval {interval} disagrees with the blocks' tensors "
-                             f"({''.join('F' if t == FULL_ATTENTION else 'L' for t in types)})")
+            raise ValueError(
+                f"GGUF {arch}.full_attention_interval {interval} disagrees with the blocks' tensors "
+                f"({''.join('F' if t == FULL_ATTENTION else 'L' for t in types)})"
+            )
     d_model = int(meta("embedding_length"))
     n_heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", d_model // n_heads))
@@ -250,6 +251,8 @@ def hybrid_block_tensor(asm: ParamAssembler, cfg: ModelConfig, arch: str, name: 
 def warn_unloaded_mtp(cfg: ModelConfig, arch: str, n_blocks: int) -> None:
     """Says that the file's MTP blocks (past the main stack) were not loaded."""
     if n_blocks > cfg.n_layers:
-        warnings.warn(f"GGUF {arch} file has {n_blocks - cfg.n_layers} multi-token-prediction block(s) "
-                      f"(blk.{cfg.n_layers}.*); they are not loaded (the model runs without its MTP head)",
-                      stacklevel=3)
+        warnings.warn(
+            f"GGUF {arch} file has {n_blocks - cfg.n_layers} multi-token-prediction block(s) "
+            f"(blk.{cfg.n_layers}.*); they are not loaded (the model runs without its MTP head)",
+            stacklevel=3,
+        )

@@ -24,8 +24,12 @@ from jaxllm.loading.assemble import ParamAssembler, heads_in, heads_out, linear
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 # Zero-centred norms (stored as 1 + w).
-_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
-            "self_attn.k_norm.weight")
+_CENTRED = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+)
 
 
 def centred(w: np.ndarray) -> np.ndarray:
@@ -44,7 +48,12 @@ def kind_index(cfg: ModelConfig, layer: int) -> tuple[str, int]:
 
 def _split_qkvz(cfg: ModelConfig, w: np.ndarray) -> dict[str, np.ndarray]:
     """Qwen3-Next's grouped in_proj_qkvz [Hk*(2Dk + 2rDv), D] -> w_qkv [D, C], w_z [D, Hv, Dv]."""
-    Hk, Dk, Dv, r = cfg.linear_n_k_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.linear_n_v_heads // cfg.linear_n_k_heads
+    Hk, Dk, Dv, r = (
+        cfg.linear_n_k_heads,
+        cfg.linear_k_dim,
+        cfg.linear_v_dim,
+        cfg.linear_n_v_heads // cfg.linear_n_k_heads,
+    )
     g = w.reshape(Hk, 2 * Dk + 2 * r * Dv, -1)
     q, k, v, z = np.split(g, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=1)
     D = w.shape[-1]
@@ -142,7 +151,9 @@ def _delta_tensor(asm: ParamAssembler, cfg: ModelConfig, i: int, name: str, w: n
     return True
 
 
-def _block_tensor(asm: ParamAssembler, cfg: ModelConfig, prefix: str, kind: str, i: int, name: str, w: np.ndarray) -> bool:
+def _block_tensor(
+    asm: ParamAssembler, cfg: ModelConfig, prefix: str, kind: str, i: int, name: str, w: np.ndarray
+) -> bool:
     if name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         key = "attn_norm" if name.startswith("input") else "mlp_norm"
         asm.put(f"{prefix}.{key}", centred(w), layer=i)
@@ -181,8 +192,11 @@ def mtp_tensor(asm: ParamAssembler, cfg: ModelConfig, name: str, w: np.ndarray) 
     if name == "mtp.fc.weight":
         asm.put("mtp.fc", linear(w))
         return True
-    norms = {"mtp.pre_fc_norm_embedding.weight": "mtp.norm_embedding",
-             "mtp.pre_fc_norm_hidden.weight": "mtp.norm_hidden", "mtp.norm.weight": "mtp.final_norm"}
+    norms = {
+        "mtp.pre_fc_norm_embedding.weight": "mtp.norm_embedding",
+        "mtp.pre_fc_norm_hidden.weight": "mtp.norm_hidden",
+        "mtp.norm.weight": "mtp.final_norm",
+    }
     if name in norms:
         asm.put(norms[name], centred(w))
         return True

@@ -79,8 +79,15 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 # Runtime options that checkpoints written before `RuntimeOptions` stored in their config.
-_OLD_RUNTIME_KEYS = ("dtype", "scan_layers", "kv_dtype", "decode_attention", "decode_matmul", "decode_norm",
-                     "sampler_branches")
+_OLD_RUNTIME_KEYS = (
+    "dtype",
+    "scan_layers",
+    "kv_dtype",
+    "decode_attention",
+    "decode_matmul",
+    "decode_norm",
+    "sampler_branches",
+)
 
 
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
@@ -93,8 +100,14 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def save_model(path: str | Path, cfg: ModelConfig, params: Params, *, tokenizer: Tokenizer | None = None,
-               generation_defaults: dict[str, float] | None = None) -> None:
+def save_model(
+    path: str | Path,
+    cfg: ModelConfig,
+    params: Params,
+    *,
+    tokenizer: Tokenizer | None = None,
+    generation_defaults: dict[str, float] | None = None,
+) -> None:
     """Writes params (orbax, the canonical tree) and the config (JSON) into directory `path`.
 
     Args:

@@ -56,7 +56,9 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
             hf["num_experts"] = hf["num_local_experts"]
         # Our params stack identical MoE layers; interleaved dense MLP layers would not fit.
         if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError(f"{hf['model_type']} checkpoints with dense MLP layers (mlp_only_layers / decoder_sparse_step) are not supported")
+            raise ValueError(
+                f"{hf['model_type']} checkpoints with dense MLP layers (mlp_only_layers / decoder_sparse_step) are not supported"
+            )
     return hf
 
 
@@ -128,9 +130,16 @@ def _layer_tensor(asm: ParamAssembler, cfg: ModelConfig, i: int, name: str, w: n
 def check_hf_config(hf: dict[str, Any]) -> None:
     """The shape keys config.json has, before config_from_hf divides by them (see loading.checks)."""
     src = "config.json"
-    roles = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "hidden_size": "width",
-             "num_hidden_layers": "layers", "vocab_size": "vocab", "intermediate_size": "ffn",
-             "max_position_embeddings": "context", "head_dim": "head_dim"}
+    roles = {
+        "num_attention_heads": "heads",
+        "num_key_value_heads": "kv_heads",
+        "hidden_size": "width",
+        "num_hidden_layers": "layers",
+        "vocab_size": "vocab",
+        "intermediate_size": "ffn",
+        "max_position_embeddings": "context",
+        "head_dim": "head_dim",
+    }
     for key, role in roles.items():
         if hf.get(key) is not None:
             check_dims(src, **{role: (key, hf[key])})

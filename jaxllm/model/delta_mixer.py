@@ -45,8 +45,11 @@ def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segme
     """(decode sequences, prompt segments or None) of a round."""
     d = batch.decode
     decode = Segments(
-        slots=d.slot, targets=jnp.where(d.length > 0, d.slot, trash), rows=d.start[:, None],
-        valid=(d.length > 0)[:, None], lengths=d.length,
+        slots=d.slot,
+        targets=jnp.where(d.length > 0, d.slot, trash),
+        rows=d.start[:, None],
+        valid=(d.length > 0)[:, None],
+        lengths=d.length,
     )
     c = batch.chunks
     if not c.slot.shape[0]:
@@ -54,8 +57,13 @@ def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segme
     offsets = jnp.arange(chunk_len)[None, :]
     valid = offsets < c.length[:, None]
     rows = jnp.minimum(c.start[:, None] + offsets, batch.tokens.shape[0] - 1)
-    chunks = Segments(slots=jnp.minimum(c.slot, trash), targets=jnp.where(c.length > 0, c.slot, trash),
-                      rows=rows, valid=valid, lengths=c.length)
+    chunks = Segments(
+        slots=jnp.minimum(c.slot, trash),
+        targets=jnp.where(c.length > 0, c.slot, trash),
+        rows=rows,
+        valid=valid,
+        lengths=c.length,
+    )
     return decode, chunks
 
 
@@ -71,8 +79,15 @@ class _RuleInputs:
 
 
 def _rule_inputs(
-    qkv: jax.Array, b: jax.Array, a: jax.Array, p: DeltaNetParams, conv0: jax.Array, seg: Segments, cfg: ModelConfig,
-    *, snapshots: bool = False,
+    qkv: jax.Array,
+    b: jax.Array,
+    a: jax.Array,
+    p: DeltaNetParams,
+    conv0: jax.Array,
+    seg: Segments,
+    cfg: ModelConfig,
+    *,
+    snapshots: bool = False,
 ) -> tuple[_RuleInputs, jax.Array]:
     """The conv over the segments' tokens and the delta rule's inputs: (inputs, new conv
     windows), with `snapshots` the windows after each token ([R, Tw, Kc-1, C])."""
@@ -100,7 +115,11 @@ def _rule_inputs(
 
 
 def _advance(
-    x: _RuleInputs, delta0: jax.Array, *, chunked: bool, snapshots: bool = False,
+    x: _RuleInputs,
+    delta0: jax.Array,
+    *,
+    chunked: bool,
+    snapshots: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the delta rule over the segments' tokens from their matrices `delta0`.
 
@@ -161,7 +180,9 @@ def delta_mixer(
     b, a = project(h, p.w_b), project(h, p.w_a)  # [T, Hv]
     conv_all = recurrent.conv[layer_index]
     matrices = recurrent.delta if pool is None else pool
-    segs = [(seg, chunked) for seg, chunked in ((decode, False), (chunks, True)) if seg is not None and seg.slots.shape[0]]
+    segs = [
+        (seg, chunked) for seg, chunked in ((decode, False), (chunks, True)) if seg is not None and seg.slots.shape[0]
+    ]
     # Every segment reads its matrices before the decode kernel writes the pool (a slot never
     # decodes and prefills in one round, so the reads and the writes touch different rows).
     delta0 = [None if kernel is not None and not chunked else matrices[layer_index, seg.slots] for seg, chunked in segs]
@@ -171,8 +192,17 @@ def delta_mixer(
         inputs, conv = _rule_inputs(qkv, b, a, p, conv_all[seg.slots], seg, cfg, snapshots=snapshots)
         if d0 is None:
             out, pool = gated_delta_decode(
-                inputs.q[:, 0], inputs.k[:, 0], inputs.v[:, 0], inputs.decay[:, 0], inputs.beta[:, 0], pool,
-                seg.slots, layer=layer_index, live=seg.lengths > 0, qk_l2norm=True, interpret=kernel == "interpret",
+                inputs.q[:, 0],
+                inputs.k[:, 0],
+                inputs.v[:, 0],
+                inputs.decay[:, 0],
+                inputs.beta[:, 0],
+                pool,
+                seg.slots,
+                layer=layer_index,
+                live=seg.lengths > 0,
+                qk_l2norm=True,
+                interpret=kernel == "interpret",
             )
             out = out[:, None]
         else:

@@ -97,8 +97,19 @@ def _layer(
     # rotates q and the fresh k itself (the rotated k here then feeds only the cache write).
     raw = kernel is not None and kernel != "cpu" and raw_projection_attends(lp, batch)
     attn = attend(
-        q, k, v, kv, layer_index, batch, page_table, lookups, cfg, opts=opts, chunk_len=chunk_len,
-        n_ctx_pages=n_ctx_pages, fused_input=(qkv, inv_freq) if raw else None,
+        q,
+        k,
+        v,
+        kv,
+        layer_index,
+        batch,
+        page_table,
+        lookups,
+        cfg,
+        opts=opts,
+        chunk_len=chunk_len,
+        n_ctx_pages=n_ctx_pages,
+        fused_input=(qkv, inv_freq) if raw else None,
     )
     x, h = add_rms_norm(x, project(attn, a.wo, 2, kernel=mm), lp.mlp_norm, cfg.rms_eps, kernel=norm)
     if isinstance(lp.mlp, MoeParams):
@@ -145,12 +156,29 @@ def attend(
         )
     if batch.chunks.slot.shape[0] and fused_attention_available(opts.dtype):
         attn = attn + chunk_attention(
-            q, k, v, batch.positions, k_layer, v_layer, page_table, batch.chunks,
-            window_len=chunk_len, n_ctx_pages=n_ctx_pages, implementation="cudnn",
+            q,
+            k,
+            v,
+            batch.positions,
+            k_layer,
+            v_layer,
+            page_table,
+            batch.chunks,
+            window_len=chunk_len,
+            n_ctx_pages=n_ctx_pages,
+            implementation="cudnn",
         )
     elif batch.chunks.slot.shape[0]:
         attn = attn + paged_attention(
-            q, k, v, batch.positions, k_layer, v_layer, page_table, batch.chunks, window_len=chunk_len,
+            q,
+            k,
+            v,
+            batch.positions,
+            k_layer,
+            v_layer,
+            page_table,
+            batch.chunks,
+            window_len=chunk_len,
             n_ctx_pages=n_ctx_pages,
         )
     return attn
@@ -199,10 +227,14 @@ def _projections_by_reference(lp: LayerParams, layers: LayerParams, i: jax.Array
     the stacks (the slices scan made of them are then unused, and XLA drops them)."""
 
     def swap(sliced, stacked, names: tuple[str, ...]):
-        return sliced.replace(**{n: LayerSlice(getattr(stacked, n), i) for n in names if getattr(stacked, n) is not None})
+        return sliced.replace(
+            **{n: LayerSlice(getattr(stacked, n), i) for n in names if getattr(stacked, n) is not None}
+        )
 
     attn = swap(lp.attn, layers.attn, ("wqkv", "wq", "wk", "wv", "wo"))
-    mlp = lp.mlp if isinstance(lp.mlp, MoeParams) else swap(lp.mlp, layers.mlp, ("w_gate_up", "w_gate", "w_up", "w_down"))
+    mlp = (
+        lp.mlp if isinstance(lp.mlp, MoeParams) else swap(lp.mlp, layers.mlp, ("w_gate_up", "w_gate", "w_up", "w_down"))
+    )
     return lp.replace(attn=attn, mlp=mlp)
 
 
@@ -262,7 +294,9 @@ def forward(
         pages=page_table[batch.decode.slot, :n_ctx_pages],
         cached=jnp.where(batch.decode.length > 0, batch.positions[:W], 0),
     )
-    kwargs = dict(page_table=page_table, lookups=lookups, cfg=cfg, opts=opts, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages)
+    kwargs = dict(
+        page_table=page_table, lookups=lookups, cfg=cfg, opts=opts, chunk_len=chunk_len, n_ctx_pages=n_ctx_pages
+    )
     # The residual stream is x + pending: each block adds its predecessor's MLP output inside
     # its first norm (one kernel for both in decode rounds; see `norm_kernel`).
     pending = None

@@ -51,7 +51,19 @@ def gated_attention(
     q = apply_rope(q, batch.positions, inv_freq)
     k = to_kv_dtype(apply_rope(k, batch.positions, inv_freq), kv.k.dtype)
     v = to_kv_dtype(v, kv.v.dtype)
-    attn = attend(q, k, v, kv, layer_index, batch, page_table, lookups, cfg, opts=opts, chunk_len=chunk_len,
-                  n_ctx_pages=n_ctx_pages)
+    attn = attend(
+        q,
+        k,
+        v,
+        kv,
+        layer_index,
+        batch,
+        page_table,
+        lookups,
+        cfg,
+        opts=opts,
+        chunk_len=chunk_len,
+        n_ctx_pages=n_ctx_pages,
+    )
     attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
     return project(attn, p.wo, 2), k, v

@@ -47,9 +47,7 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x32 * lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
-def causal_conv(
-    x: jax.Array, window: jax.Array, weight: jax.Array, lengths: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+def causal_conv(x: jax.Array, window: jax.Array, weight: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal conv1d + SiLU over segments that continue from a saved window.
 
     y[n, t] = silu(sum_j weight[:, j] * u[n, t + j]) with u = window[n] ++ x[n], which is

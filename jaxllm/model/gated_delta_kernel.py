@@ -69,9 +69,7 @@ def _decode_kernel(
     delta = (v - (s * k[:, None]).sum(axis=0)) * beta_ref[w, h].astype(f32)  # [BV]
     s = s + k[:, None] * delta[None, :]
     out = (s * q[:, None]).sum(axis=0)  # [BV]
-    plgpu.store(
-        new_state_ref.at[row, h, :, cols], s.astype(new_state_ref.dtype), mask=jnp.broadcast_to(live, s.shape)
-    )
+    plgpu.store(new_state_ref.at[row, h, :, cols], s.astype(new_state_ref.dtype), mask=jnp.broadcast_to(live, s.shape))
     out_ref[w, h, cols] = jnp.where(live, out, 0.0).astype(out_ref.dtype)
 
 

@@ -27,7 +27,9 @@ from jaxllm.state import KVCache, RecurrentState
 from jaxllm.runtime_options import RuntimeOptions
 
 
-def block_mlp(h: jax.Array, p: DenseMlpParams | MoeParams, cfg: ModelConfig, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+def block_mlp(
+    h: jax.Array, p: DenseMlpParams | MoeParams, cfg: ModelConfig, valid: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """The block's MLP on normed input: ([T, D] output, [E] tokens per expert or [0])."""
     if isinstance(p, DenseMlpParams):
         return dense_mlp(h, p), jnp.zeros((0,), jnp.int32)
@@ -102,8 +104,22 @@ def hybrid_forward(
             if kind == LINEAR_ATTENTION:
                 lp = lin_block(i_lin)
                 index = g * n_lin + i_lin
-                x, (conv, delta, pool), e = block(x, lp, lambda h, pool=pool: delta_mixer(
-                    h, lp.mixer, recurrent, index, decode, chunks, cfg, snapshots=snapshots, pool=pool, kernel=delta_kernel))
+                x, (conv, delta, pool), e = block(
+                    x,
+                    lp,
+                    lambda h, pool=pool: delta_mixer(
+                        h,
+                        lp.mixer,
+                        recurrent,
+                        index,
+                        decode,
+                        chunks,
+                        cfg,
+                        snapshots=snapshots,
+                        pool=pool,
+                        kernel=delta_kernel,
+                    ),
+                )
                 new_conv.append(conv)
                 if delta is not None:
                     new_delta.append(delta)
@@ -112,9 +128,23 @@ def hybrid_forward(
                 lp = full_block(i_full)
                 index = g * n_full + i_full
                 table = _after(page_table, x)  # read this layer's context only once its input exists
-                x, (k, v), e = block(x, lp, lambda h: gated_attention(
-                    h, lp.mixer, kv, index, batch, table, lookups, cfg, opts=opts, chunk_len=chunk_len,
-                    n_ctx_pages=n_ctx_pages))
+                x, (k, v), e = block(
+                    x,
+                    lp,
+                    lambda h: gated_attention(
+                        h,
+                        lp.mixer,
+                        kv,
+                        index,
+                        batch,
+                        table,
+                        lookups,
+                        cfg,
+                        opts=opts,
+                        chunk_len=chunk_len,
+                        n_ctx_pages=n_ctx_pages,
+                    ),
+                )
                 ks.append(k)
                 vs.append(v)
                 i_full += 1
@@ -128,14 +158,18 @@ def hybrid_forward(
         # step would be copied before each custom call.
         outs = []
         for g in range(groups):
-            (x, pool), out = group(x, pool, lambda i, g=g: layers.linear[g * n_lin + i],
-                                   lambda i, g=g: layers.full[g * n_full + i], g)
+            (x, pool), out = group(
+                x, pool, lambda i, g=g: layers.linear[g * n_lin + i], lambda i, g=g: layers.full[g * n_full + i], g
+            )
             outs.append(out)
         conv, delta, k_new, v_new, experts = (None if o[0] is None else jnp.stack(o) for o in zip(*outs))
     else:
+
         def body(carry, xs):
             lin, full, g = xs
-            return group(*carry, lambda i: jax.tree.map(lambda w: w[i], lin), lambda i: jax.tree.map(lambda w: w[i], full), g)
+            return group(
+                *carry, lambda i: jax.tree.map(lambda w: w[i], lin), lambda i: jax.tree.map(lambda w: w[i], full), g
+            )
 
         xs = (
             None if layers.linear is None else _group_stack(layers.linear, groups),
@@ -151,15 +185,21 @@ def hybrid_forward(
     batch = batch.replace(positions=_after(batch.positions, hidden))
     kv = write_kv(kv, flat(k_new), flat(v_new), batch, page_table)
     if snapshots:
-        return hidden, kv, StateSnapshots(targets=_targets(decode, chunks), conv=flat(conv), delta=flat(delta)), flat(experts)
+        return (
+            hidden,
+            kv,
+            StateSnapshots(targets=_targets(decode, chunks), conv=flat(conv), delta=flat(delta)),
+            flat(experts),
+        )
     if recurrent is not None and conv is not None:
         targets = _after(_targets(decode, chunks), hidden)
         matrices = recurrent.delta if pool is None else pool
         if delta is not None:  # with the kernel, only chunk segments' matrices are rows to write
             rows_of = targets if pool is None else _after(chunks.targets, hidden)
             matrices = matrices.at[:, rows_of].set(flat(delta))
-        recurrent = RecurrentState(conv=recurrent.conv.at[:, targets].set(flat(conv).astype(recurrent.conv.dtype)),
-                                   delta=matrices)
+        recurrent = RecurrentState(
+            conv=recurrent.conv.at[:, targets].set(flat(conv).astype(recurrent.conv.dtype)), delta=matrices
+        )
     return hidden, kv, recurrent, flat(experts)
 
 
@@ -174,7 +214,8 @@ class StateSnapshots:
     def keep(self, recurrent: RecurrentState, n_tokens: jax.Array) -> RecurrentState:
         """`recurrent` with each segment's state after its first `n_tokens[r]` (>= 1) tokens."""
         pick = lambda a: jnp.take_along_axis(  # noqa: E731
-            a, (n_tokens - 1).reshape(1, -1, *([1] * (a.ndim - 2))), axis=2)[:, :, 0]
+            a, (n_tokens - 1).reshape(1, -1, *([1] * (a.ndim - 2))), axis=2
+        )[:, :, 0]
         return RecurrentState(
             conv=recurrent.conv.at[:, self.targets].set(pick(self.conv).astype(recurrent.conv.dtype)),
             delta=recurrent.delta.at[:, self.targets].set(pick(self.delta)),

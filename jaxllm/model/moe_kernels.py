@@ -67,7 +67,7 @@ def shapes_supported(d_model: int, ffn: int) -> bool:
 
 
 def moe_kernel(dtype: jnp.dtype, d_model: int, ffn: int) -> str | None:
-    """"pallas" where the kernels compile (a GPU; float32 and half precision) and tile the
+    """ "pallas" where the kernels compile (a GPU; float32 and half precision) and tile the
     shapes, else None: `jax.lax.ragged_dot` (the CPU, and shapes the tiles don't divide)."""
     return "pallas" if kernels_available(dtype) and shapes_supported(d_model, ffn) else None
 
@@ -79,7 +79,7 @@ PAIRS_MAX_TOKENS = 2
 
 
 def moe_layout(n_tokens: int) -> str:
-    """"pairs" or "grouped" for a round of `n_tokens` tokens (static under jit)."""
+    """ "pairs" or "grouped" for a round of `n_tokens` tokens (static under jit)."""
     return "pairs" if n_tokens <= PAIRS_MAX_TOKENS else "grouped"
 
 
@@ -141,11 +141,19 @@ def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int) -> Blocks:
     rows = jnp.zeros((n_blocks * block_m,), jnp.int32).at[row_of_sorted].set(order // k)
     # "compare_all": one fusion. The default bisection is a while loop, and each trip of a
     # while loop on the GPU waits for its predicate on the host (measured: ~120 us a layer).
-    block_expert = jnp.searchsorted(block_end, jnp.arange(n_blocks, dtype=jnp.int32), side="right",
-                                    method="compare_all")
+    block_expert = jnp.searchsorted(
+        block_end, jnp.arange(n_blocks, dtype=jnp.int32), side="right", method="compare_all"
+    )
     block_expert = jnp.minimum(block_expert, E - 1).astype(jnp.int32)
-    return Blocks(rows, block_expert, block_end[-1:].astype(jnp.int32), out_row,
-                  rows_per_block=block_m, row_div=1, n_blocks=n_blocks)
+    return Blocks(
+        rows,
+        block_expert,
+        block_end[-1:].astype(jnp.int32),
+        out_row,
+        rows_per_block=block_m,
+        row_div=1,
+        n_blocks=n_blocks,
+    )
 
 
 def _row_tile(b, rows_per_block: int, row_div: int, bm: int, n_rows: int):
@@ -155,8 +163,22 @@ def _row_tile(b, rows_per_block: int, row_div: int, bm: int, n_rows: int):
     return row0, live
 
 
-def _gate_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, D: int, block_k: int, block_n: int,
-                    rows_per_block: int, row_div: int, bm: int, precision):
+def _gate_up_kernel(
+    be_ref,
+    used_ref,
+    x_ref,
+    wg_ref,
+    wu_ref,
+    h_ref,
+    *,
+    D: int,
+    block_k: int,
+    block_n: int,
+    rows_per_block: int,
+    row_div: int,
+    bm: int,
+    precision,
+):
     b, n = pl.program_id(0), pl.program_id(1)
 
     @pl.when(b < used_ref[0])
@@ -175,8 +197,12 @@ def _gate_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, D: int, b
                 xt = x_ref[pl.ds(row0, bm), cols]
             wg = wg_ref[e, cols, pl.ds(n0, block_n)]
             wu = wu_ref[e, cols, pl.ds(n0, block_n)]
-            dot = functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())),
-                                    precision=precision, preferred_element_type=jnp.float32)
+            dot = functools.partial(
+                lax.dot_general,
+                dimension_numbers=(((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
             return accs[0] + dot(xt, wg), accs[1] + dot(xt, wu)
 
         zero = jnp.zeros((bm, block_n), jnp.float32)
@@ -189,8 +215,21 @@ def _gate_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, D: int, b
             out[...] = h
 
 
-def _down_kernel(be_ref, used_ref, h_ref, wd_ref, rw_ref, o_ref, *, F: int, block_k: int, block_n: int,
-                 rows_per_block: int, bm: int, precision):
+def _down_kernel(
+    be_ref,
+    used_ref,
+    h_ref,
+    wd_ref,
+    rw_ref,
+    o_ref,
+    *,
+    F: int,
+    block_k: int,
+    block_n: int,
+    rows_per_block: int,
+    bm: int,
+    precision,
+):
     b, n = pl.program_id(0), pl.program_id(1)
 
     @pl.when(b < used_ref[0])
@@ -209,8 +248,9 @@ def _down_kernel(be_ref, used_ref, h_ref, wd_ref, rw_ref, o_ref, *, F: int, bloc
             else:
                 ht = h_ref[pl.ds(row0, bm), cols]
             wd = wd_ref[e, cols, pl.ds(n0, block_n)]
-            return acc + lax.dot_general(ht, wd, (((1,), (0,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
+            return acc + lax.dot_general(
+                ht, wd, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
 
         acc = lax.fori_loop(0, F // block_k, body, jnp.zeros((bm, block_n), jnp.float32))
         if masked:
@@ -285,8 +325,11 @@ def moe_ffn(
         bm = block_m or default_block_m(T * k, E)
         blocks = grouped_blocks(top_e, E, bm)
         x_in = x[blocks.rows]  # [n_blocks * bm, D], grouped by expert
-        row_w = jnp.zeros((blocks.n_blocks * bm,), jnp.float32).at[blocks.out_row].set(
-            top_w.reshape(-1).astype(jnp.float32))
+        row_w = (
+            jnp.zeros((blocks.n_blocks * bm,), jnp.float32)
+            .at[blocks.out_row]
+            .set(top_w.reshape(-1).astype(jnp.float32))
+        )
     else:
         raise ValueError(f"layout must be pairs or grouped, got {layout!r}")
     n_rows = blocks.n_blocks * blocks.rows_per_block

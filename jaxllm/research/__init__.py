@@ -7,5 +7,16 @@ from jaxllm.research.frontier import frontier, pareto_front
 from jaxllm.research.inspection import Trace, logit_lens, logit_lens_table, plot_attention, trace
 from jaxllm.research.tasks import Task, make_tasks
 
-__all__ = ["compare", "summary", "frontier", "pareto_front", "Task", "make_tasks", "Trace", "trace", "logit_lens",
-           "logit_lens_table", "plot_attention"]
+__all__ = [
+    "compare",
+    "summary",
+    "frontier",
+    "pareto_front",
+    "Task",
+    "make_tasks",
+    "Trace",
+    "trace",
+    "logit_lens",
+    "logit_lens_table",
+    "plot_attention",
+]

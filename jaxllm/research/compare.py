@@ -93,8 +93,9 @@ def compare(
             for seed in seeds:
                 rows.append((prompt.ids, dataclasses.replace(params, seed=seed, max_tokens=max_tokens)))
                 keys.append((pi, name, seed))
-    processors = tuple(dict.fromkeys(list(logits_processors) + [p.logits_processor for _, p in rows
-                                                                 if p.logits_processor is not None]))
+    processors = tuple(
+        dict.fromkeys(list(logits_processors) + [p.logits_processor for _, p in rows if p.logits_processor is not None])
+    )
     longest = max(len(p.ids) for p in prepared) + max_tokens
     engine = research_engine(model, len(rows), longest, max_slots=max_slots, logits_processors=processors)
     samples = run_rows(model, engine, rows)
@@ -105,13 +106,24 @@ def compare(
         prompt, ids = prepared[pi], completion.token_ids
         nll = -float(np.mean(completion.logprobs)) if ids else float("nan")
         entropy = float(np.mean(sample.entropies)) if ids else float("nan")
-        records.append(dict(
-            prompt=prompt.label, task=prompt.task.kind if prompt.task else None, sampler=name, seed=seed,
-            text=completion.text, token_ids=ids, n_tokens=len(ids), finish_reason=completion.finish_reason,
-            nll=nll, mean_entropy=entropy, distinct_1=metrics.distinct_n(ids, 1), distinct_2=metrics.distinct_n(ids, 2),
-            repetition=metrics.repetition(ids, 4),
-            score=prompt.task.check(completion.text) if prompt.task else float("nan"),
-        ))
+        records.append(
+            dict(
+                prompt=prompt.label,
+                task=prompt.task.kind if prompt.task else None,
+                sampler=name,
+                seed=seed,
+                text=completion.text,
+                token_ids=ids,
+                n_tokens=len(ids),
+                finish_reason=completion.finish_reason,
+                nll=nll,
+                mean_entropy=entropy,
+                distinct_1=metrics.distinct_n(ids, 1),
+                distinct_2=metrics.distinct_n(ids, 2),
+                repetition=metrics.repetition(ids, 4),
+                score=prompt.task.check(completion.text) if prompt.task else float("nan"),
+            )
+        )
     return pd.DataFrame.from_records(records)
 
 

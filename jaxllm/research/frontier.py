@@ -14,8 +14,11 @@ def pareto_front(xs: np.ndarray, ys: np.ndarray, *, x_lower: bool = False, y_low
     """Indices of the points no other point beats on both axes, ordered by x."""
     x = -np.asarray(xs, float) if x_lower else np.asarray(xs, float)
     y = -np.asarray(ys, float) if y_lower else np.asarray(ys, float)
-    keep = [i for i in range(len(x))
-            if not any((x[j] >= x[i]) & (y[j] >= y[i]) & ((x[j] > x[i]) | (y[j] > y[i])) for j in range(len(x)))]
+    keep = [
+        i
+        for i in range(len(x))
+        if not any((x[j] >= x[i]) & (y[j] >= y[i]) & ((x[j] > x[i]) | (y[j] > y[i])) for j in range(len(x)))
+    ]
     return np.asarray(sorted(keep, key=lambda i: xs[i]), int)
 
 
@@ -36,8 +39,9 @@ def frontier(table, x: str = "distinct_2", y: str = "score", *, by: str = "sampl
     ax.scatter(points[x], points[y])
     for name, row in points.iterrows():
         ax.annotate(str(name), (row[x], row[y]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    front = pareto_front(points[x].to_numpy(), points[y].to_numpy(), x_lower=x in LOWER_IS_BETTER,
-                         y_lower=y in LOWER_IS_BETTER)
+    front = pareto_front(
+        points[x].to_numpy(), points[y].to_numpy(), x_lower=x in LOWER_IS_BETTER, y_lower=y in LOWER_IS_BETTER
+    )
     ax.plot(points[x].to_numpy()[front], points[y].to_numpy()[front], "--", color="tab:red", label="frontier")
     ax.set_xlabel(x + (" (lower is better)" if x in LOWER_IS_BETTER else ""))
     ax.set_ylabel(y + (" (lower is better)" if y in LOWER_IS_BETTER else ""))

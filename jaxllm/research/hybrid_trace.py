@@ -69,11 +69,16 @@ def _delta(h: jax.Array, p, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
         delta=jnp.zeros((1, 1, cfg.linear_n_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), jnp.float32),
     )
     none = jnp.zeros((0,), jnp.int32)
-    decode = Segments(slots=none, targets=none, rows=jnp.zeros((0, 1), jnp.int32), valid=jnp.zeros((0, 1), bool),
-                      lengths=none)
-    seq = Segments(slots=jnp.zeros((1,), jnp.int32), targets=jnp.zeros((1,), jnp.int32),
-                   rows=jnp.arange(T, dtype=jnp.int32)[None], valid=jnp.ones((1, T), bool),
-                   lengths=jnp.full((1,), T, jnp.int32))
+    decode = Segments(
+        slots=none, targets=none, rows=jnp.zeros((0, 1), jnp.int32), valid=jnp.zeros((0, 1), bool), lengths=none
+    )
+    seq = Segments(
+        slots=jnp.zeros((1,), jnp.int32),
+        targets=jnp.zeros((1,), jnp.int32),
+        rows=jnp.arange(T, dtype=jnp.int32)[None],
+        valid=jnp.ones((1, T), bool),
+        lengths=jnp.full((1,), T, jnp.int32),
+    )
     # Snapshots: the states after each token ([1, T, Hv, Dk, Dv]), as verification keeps them.
     out, _, deltas, _ = delta_mixer(h, p, fresh, 0, decode, seq, cfg, snapshots=True)
     return out, jnp.sqrt(jnp.sum(deltas[0] ** 2, axis=(-2, -1)))
@@ -124,5 +129,10 @@ def hybrid_trace(params: Params, cfg: ModelConfig, ids: jax.Array):
     x, (stream, attention, norms, router) = jax.lax.scan(body, x0, xs)
     flat = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])  # noqa: E731
     logits = lm_head(params, rms_norm(x, params.final_norm, cfg.rms_eps))
-    return (jnp.concatenate([x0[None], flat(stream)]), flat(attention), None if norms is None else flat(norms),
-            None if router is None else jax.tree.map(flat, router), logits)
+    return (
+        jnp.concatenate([x0[None], flat(stream)]),
+        flat(attention),
+        None if norms is None else flat(norms),
+        None if router is None else jax.tree.map(flat, router),
+        logits,
+    )

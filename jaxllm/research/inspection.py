@@ -102,6 +102,7 @@ def _trace(params: Params, cfg: ModelConfig, ids: jax.Array):
             outs.append((x, weights, router))
         stream, attention, experts = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
     else:  # stacked layers: one compiled block under scan (a 30-layer model compiles in seconds)
+
         def body(x, lp):
             x, weights, router = _block(x, lp, cfg, positions)
             return x, (x, weights, router)
@@ -123,11 +124,17 @@ def trace(model, ids: Sequence[int]) -> Trace:
     else:
         residual, attention, experts, logits = jax.device_get(_trace(model.params, cfg, tokens))
     pieces = [model.tokenizer.decode([int(t)], skip_special_tokens=False) for t in ids]
-    return Trace(tokens=pieces, residual=np.asarray(residual, np.float32), attention=np.asarray(attention),
-                 router_experts=None if experts is None else np.asarray(experts[0]),
-                 router_weights=None if experts is None else np.asarray(experts[1]), logits=np.asarray(logits),
-                 attention_layers=tuple(i for i in range(cfg.n_layers) if i not in linear),
-                 recurrent_norms=None if norms is None else np.asarray(norms), recurrent_layers=linear)
+    return Trace(
+        tokens=pieces,
+        residual=np.asarray(residual, np.float32),
+        attention=np.asarray(attention),
+        router_experts=None if experts is None else np.asarray(experts[0]),
+        router_weights=None if experts is None else np.asarray(experts[1]),
+        logits=np.asarray(logits),
+        attention_layers=tuple(i for i in range(cfg.n_layers) if i not in linear),
+        recurrent_norms=None if norms is None else np.asarray(norms),
+        recurrent_layers=linear,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("top",))
@@ -150,10 +157,15 @@ def logit_lens_table(model, t: Trace):
     import pandas as pd
 
     ids, probs = logit_lens(model, t)
-    cells = [[f"{model.tokenizer.decode([int(i)], skip_special_tokens=False)!r} {p:.2f}" for i, p in zip(row, prow)]
-             for row, prow in zip(ids[..., 0], probs[..., 0])]
-    return pd.DataFrame(cells, index=["embed"] + [f"layer {i}" for i in range(len(cells) - 1)],
-                        columns=[f"{j}:{tok!r}" for j, tok in enumerate(t.tokens)])
+    cells = [
+        [f"{model.tokenizer.decode([int(i)], skip_special_tokens=False)!r} {p:.2f}" for i, p in zip(row, prow)]
+        for row, prow in zip(ids[..., 0], probs[..., 0])
+    ]
+    return pd.DataFrame(
+        cells,
+        index=["embed"] + [f"layer {i}" for i in range(len(cells) - 1)],
+        columns=[f"{j}:{tok!r}" for j, tok in enumerate(t.tokens)],
+    )
 
 
 def plot_attention(t: Trace, layer: int, head: int | None = None, ax=None):

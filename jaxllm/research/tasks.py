@@ -13,9 +13,33 @@ import random
 import re
 from collections.abc import Callable
 
-_WORDS = ("amber", "basil", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp",
-          "lagoon", "maple", "nectar", "onyx", "pepper", "quartz", "raven", "saffron", "tundra", "umber", "velvet",
-          "willow", "yarrow", "zephyr")
+_WORDS = (
+    "amber",
+    "basil",
+    "cobalt",
+    "delta",
+    "ember",
+    "fjord",
+    "garnet",
+    "harbor",
+    "indigo",
+    "juniper",
+    "kelp",
+    "lagoon",
+    "maple",
+    "nectar",
+    "onyx",
+    "pepper",
+    "quartz",
+    "raven",
+    "saffron",
+    "tundra",
+    "umber",
+    "velvet",
+    "willow",
+    "yarrow",
+    "zephyr",
+)
 _NAMES = ("Maria", "Kenji", "Amara", "Lukas", "Priya", "Diego", "Ingrid", "Omar", "Chloe", "Tariq")
 _CITIES = ("Lyon", "Osaka", "Nairobi", "Porto", "Quebec", "Tromso", "Cusco", "Hanoi", "Adelaide", "Bergen")
 _ANIMALS = ("cat", "dog", "horse", "rabbit", "goat", "sheep", "duck", "fox", "owl", "bear", "wolf", "deer")
@@ -44,15 +68,23 @@ def arithmetic(seed: int) -> Task:
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     op = rng.choice("+-")
     value = a + b if op == "+" else a - b
-    return Task(kind="arithmetic", prompt=f"What is {a} {op} {b}? Answer with the number only.", answer=str(value),
-                check=lambda text: float(value in _integers(text)[:1]))
+    return Task(
+        kind="arithmetic",
+        prompt=f"What is {a} {op} {b}? Answer with the number only.",
+        answer=str(value),
+        check=lambda text: float(value in _integers(text)[:1]),
+    )
 
 
 def copying(seed: int, n_words: int = 5) -> Task:
     rng = random.Random(seed)
     target = " ".join(rng.sample(_WORDS, n_words))
-    return Task(kind="copy", prompt=f"Repeat exactly, with nothing else: {target}", answer=target,
-                check=lambda text: float(target in " ".join(text.split())))
+    return Task(
+        kind="copy",
+        prompt=f"Repeat exactly, with nothing else: {target}",
+        answer=target,
+        check=lambda text: float(target in " ".join(text.split())),
+    )
 
 
 def _first_json_object(text: str) -> dict | None:
@@ -76,8 +108,10 @@ def json_extraction(seed: int) -> Task:
     rng = random.Random(seed)
     want = {"name": rng.choice(_NAMES), "age": rng.randint(18, 80), "city": rng.choice(_CITIES)}
     sentence = f"{want['name']} is {want['age']} years old and lives in {want['city']}."
-    prompt = (f'Extract the person\'s name, age and city as a JSON object with keys "name", "age" and "city".\n'
-              f"Sentence: {sentence}")
+    prompt = (
+        f'Extract the person\'s name, age and city as a JSON object with keys "name", "age" and "city".\n'
+        f"Sentence: {sentence}"
+    )
 
     def check(text: str) -> float:
         got = _first_json_object(text) or {}
@@ -91,8 +125,7 @@ def counted_list(seed: int) -> Task:
     rng = random.Random(seed)
     n = rng.randint(5, 8)
     given = rng.sample(_ANIMALS, 2)
-    prompt = (f"Continue this numbered list of animals until item {n}, one per line:\n"
-              f"1. {given[0]}\n2. {given[1]}")
+    prompt = f"Continue this numbered list of animals until item {n}, one per line:\n1. {given[0]}\n2. {given[1]}"
     missing = list(range(3, n + 1))
 
     def check(text: str) -> float:
@@ -108,7 +141,10 @@ def counted_list(seed: int) -> Task:
 
 
 KINDS: dict[str, Callable[[int], Task]] = {
-    "arithmetic": arithmetic, "copy": copying, "json": json_extraction, "list": counted_list,
+    "arithmetic": arithmetic,
+    "copy": copying,
+    "json": json_extraction,
+    "list": counted_list,
 }
 
 

@@ -48,8 +48,10 @@ async def state(request: Request) -> Any:
     # session id is a bearer secret: only the caller's own sessions are named.
     snapshot = srv.metrics.state
     key = caller_key(request)
-    active = [{**a, "session": a["session"] if a.get("session") and srv.sessions.owned(a["session"], key) else None}
-              for a in snapshot.get("active", [])]
+    active = [
+        {**a, "session": a["session"] if a.get("session") and srv.sessions.owned(a["session"], key) else None}
+        for a in snapshot.get("active", [])
+    ]
     return response.json({**snapshot, "active": active, "model": {"name": srv.model_name, "costs": srv.costs}})
 
 
@@ -63,8 +65,13 @@ async def start_profile(request: Request) -> Any:
     loop = asyncio.get_running_loop()
     used = await loop.run_in_executor(None, _dir_bytes, srv.profile_dir)
     if used >= lim.profile_max_mib << 20:
-        raise ApiError(409, f"the profile directory holds {used >> 20} MiB, at profile_max_mib ({lim.profile_max_mib}); "
-                            "remove old traces first", type="invalid_request_error", code="profile_dir_full")
+        raise ApiError(
+            409,
+            f"the profile directory holds {used >> 20} MiB, at profile_max_mib ({lim.profile_max_mib}); "
+            "remove old traces first",
+            type="invalid_request_error",
+            code="profile_dir_full",
+        )
     import jax
 
     srv.profiling = True  # before the await: a second start meanwhile is a 409
@@ -73,7 +80,9 @@ async def start_profile(request: Request) -> Any:
     except Exception as e:  # noqa: BLE001 - e.g. a trace started by other means
         srv.profiling = False
         raise ApiError(500, f"the profiler did not start: {e}") from None
-    srv.profile_timer = loop.call_later(lim.profile_max_seconds, lambda: asyncio.ensure_future(_end_profile(srv, "timed out")))
+    srv.profile_timer = loop.call_later(
+        lim.profile_max_seconds, lambda: asyncio.ensure_future(_end_profile(srv, "timed out"))
+    )
     log.info("profiler trace started into %s (stops after %gs)", srv.profile_dir, lim.profile_max_seconds)
     return response.json({"status": "profiling", "dir": srv.profile_dir, "max_seconds": lim.profile_max_seconds})
 
@@ -113,12 +122,18 @@ def _check_profiling(request: Request, *, running: bool) -> Server:
         raise ApiError(400, "profiling is off: start the server with --profile-dir DIR")
     if not srv.api_keys:
         # A trace slows every request and writes to the server's disk: not for anonymous callers.
-        raise ApiError(403, "profiling needs a server started with an API key (--api-key or --api-key-file)",
-                       type="permission_error", code="profiling_needs_api_key")
+        raise ApiError(
+            403,
+            "profiling needs a server started with an API key (--api-key or --api-key-file)",
+            type="permission_error",
+            code="profiling_needs_api_key",
+        )
     if srv.profiling != running:
-        raise ApiError(409 if srv.profiling else 400,
-                       "a profile is already running" if srv.profiling else "no profile is running",
-                       type="invalid_request_error")
+        raise ApiError(
+            409 if srv.profiling else 400,
+            "a profile is already running" if srv.profiling else "no profile is running",
+            type="invalid_request_error",
+        )
     return srv
 
 

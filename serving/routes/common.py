@@ -25,8 +25,11 @@ def check_ready(srv: Server) -> None:
     if srv.draining:
         raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
     if not srv.ready:
-        raise ApiError(503, "the model is loading" if srv.scheduler is None or srv.scheduler.dead is None
-                       else "the worker thread died", type="service_unavailable")
+        raise ApiError(
+            503,
+            "the model is loading" if srv.scheduler is None or srv.scheduler.dead is None else "the worker thread died",
+            type="service_unavailable",
+        )
 
 
 def check_model(srv: Server, body: Any) -> None:
@@ -50,8 +53,12 @@ async def read_body(request: Request) -> bytes:
             # Close instead of draining the rest of the body: that drain has no deadline.
             request.stream.keep_alive = False
             request.stream.request_body = None
-            raise ApiError(408, f"the request body did not arrive within body_seconds ({lim.body_seconds:g})",
-                           type="invalid_request_error", code="request_timeout") from None
+            raise ApiError(
+                408,
+                f"the request body did not arrive within body_seconds ({lim.body_seconds:g})",
+                type="invalid_request_error",
+                code="request_timeout",
+            ) from None
     return request.body or b""
 
 

@@ -59,8 +59,12 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
     pages = engine.pages_needed(len(prepared.prompt) + prepared.max_tokens)
     pool = srv.scheduler.pool
     if prepared.n > pool.max_slots:  # the client's to change, whatever the load: 400, not 503
-        raise ApiError(400, f"'n' is {prepared.n}, over the {pool.max_slots} choices this server runs at once "
-                            f"(its sequence slots); ask for n <= {pool.max_slots}", param="n")
+        raise ApiError(
+            400,
+            f"'n' is {prepared.n}, over the {pool.max_slots} choices this server runs at once "
+            f"(its sequence slots); ask for n <= {pool.max_slots}",
+            param="n",
+        )
     reservation = reserve(prepared, pages, pool, settings, len(request.body or b"")).total
     never = never_fits(prepared.n, pages, reservation, pool, settings)
     if never is not None:
@@ -69,11 +73,25 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
     turn.accepted()
     session_id = turn.id
     output = Output(loop)
-    job = Job(id=srv.next_id(kind), prepared=prepared, settings=settings, output=output, reservation=reservation,
-              pages=pages, arrived=srv.scheduler.clock(), session_id=session_id,
-              session_messages=prepared.messages if session_id else [])
-    fmt = Formatter(kind, job.id, srv.model_name, include_usage=prepared.include_usage, logprobs=prepared.logprobs,
-                    echo=prepared.echo_text)
+    job = Job(
+        id=srv.next_id(kind),
+        prepared=prepared,
+        settings=settings,
+        output=output,
+        reservation=reservation,
+        pages=pages,
+        arrived=srv.scheduler.clock(),
+        session_id=session_id,
+        session_messages=prepared.messages if session_id else [],
+    )
+    fmt = Formatter(
+        kind,
+        job.id,
+        srv.model_name,
+        include_usage=prepared.include_usage,
+        logprobs=prepared.logprobs,
+        echo=prepared.echo_text,
+    )
     headers = {"x-session-id": session_id} if session_id else {}
     srv.scheduler.submit(job)
     try:
@@ -130,9 +148,16 @@ def _draft_source(engine: Any) -> str | None:
 async def models(request: Request) -> Any:
     srv = server_of(request)
     drafts = srv.engine.config.max_drafts if srv.engine is not None else 0
-    data = [{"id": srv.model_name, "object": "model", "created": 0, "owned_by": "jaxllm",
-             "max_model_len": srv.engine.max_context if srv.engine is not None else None,
-             "speculative": {"draft_source": _draft_source(srv.engine), "max_drafts": drafts}}]
+    data = [
+        {
+            "id": srv.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "jaxllm",
+            "max_model_len": srv.engine.max_context if srv.engine is not None else None,
+            "speculative": {"draft_source": _draft_source(srv.engine), "max_drafts": drafts},
+        }
+    ]
     return response.json({"object": "list", "data": data})
 
 
@@ -150,11 +175,18 @@ def _tokenize(srv: Server, body: dict[str, Any]) -> dict[str, Any]:
         from jaxllm.chat_template import ChatTemplateError, tokenize_chat
 
         lim = srv.settings.current.limits
-        check_sizes(body["messages"], None, None, max_messages=lim.max_messages,
-                    max_tools=lim.max_tools, max_schema_bytes=lim.max_schema_bytes)
+        check_sizes(
+            body["messages"],
+            None,
+            None,
+            max_messages=lim.max_messages,
+            max_tools=lim.max_tools,
+            max_schema_bytes=lim.max_schema_bytes,
+        )
         try:
-            ids = tokenize_chat(tok, body["messages"],
-                                add_generation_prompt=bool(body.get("add_generation_prompt", True))).ids
+            ids = tokenize_chat(
+                tok, body["messages"], add_generation_prompt=bool(body.get("add_generation_prompt", True))
+            ).ids
         except ChatTemplateError as e:
             raise ApiError(400, f"chat template: {e}", param="messages") from None
     elif isinstance(body.get("prompt"), str):
@@ -172,8 +204,11 @@ async def detokenize(request: Request) -> Any:
     srv, body = await model_request(request)
     ids = body.get("tokens")
     vocab = srv.model.cfg.vocab_size
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+    ):
         raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
     text = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: srv.model.tokenizer.decode(ids, skip_special_tokens=False))
+        None, lambda: srv.model.tokenizer.decode(ids, skip_special_tokens=False)
+    )
     return response.json({"prompt": text})

@@ -35,9 +35,28 @@ def server(tmp_path_factory):
 
 def test_bench_serve_json(server, capsys):
     out = server["tmp"] / "result.json"
-    rc = main(["--port", str(server["port"]), "--api-key", KEY, "--input-len", "16",
-               "--output-len", "8", "--num-prompts", "6", "--concurrency", "3", "--request-rate", "50",
-               "--vocab-size", "49152", "--json", str(out)])
+    rc = main(
+        [
+            "--port",
+            str(server["port"]),
+            "--api-key",
+            KEY,
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--num-prompts",
+            "6",
+            "--concurrency",
+            "3",
+            "--request-rate",
+            "50",
+            "--vocab-size",
+            "49152",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
     r = json.loads(out.read_text())
@@ -63,9 +82,31 @@ def test_profile_trace_and_utilisation(server):
     from tests.serving.tiny_server import tiny_model
 
     out = server["tmp"] / "profiled.json"
-    rc = main(["--port", str(server["port"]), "--api-key", KEY, "--input-len", "16",
-               "--output-len", "8", "--num-prompts", "2", "--concurrency", "1", "--vocab-size", "49152",
-               "--profile", "--peak-bandwidth", "100", "--peak-tflops", "2", "--json", str(out)])
+    rc = main(
+        [
+            "--port",
+            str(server["port"]),
+            "--api-key",
+            KEY,
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--num-prompts",
+            "2",
+            "--concurrency",
+            "1",
+            "--vocab-size",
+            "49152",
+            "--profile",
+            "--peak-bandwidth",
+            "100",
+            "--peak-tflops",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     traces = list((server["tmp"] / "trace").rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
@@ -78,9 +119,13 @@ def test_profile_trace_and_utilisation(server):
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
     step_bytes = weights + kv * (16 + 8 / 2)
     assert u["decode_mbu"] == pytest.approx(step_bytes / (s["tpot_ms"]["p50"] / 1e3) / 100e9, rel=1e-6)
-    per_token = 2 * (cfg.n_layers * (cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-                                     + 3 * cfg.d_model * cfg.ffn_dim))
-    prefill = per_token * 16 + 2 * cfg.vocab_size * cfg.d_model + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 16 * 16 / 2
+    per_token = 2 * (
+        cfg.n_layers
+        * (cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.d_model * cfg.ffn_dim)
+    )
+    prefill = (
+        per_token * 16 + 2 * cfg.vocab_size * cfg.d_model + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 16 * 16 / 2
+    )
     assert u["prefill_mfu"] == pytest.approx(prefill / (s["ttft_ms"]["p50"] / 1e3) / 2e12, rel=1e-6)
     assert 0 < u["run_mfu"] < 1
 
@@ -93,8 +138,17 @@ def test_parser():
 def test_overhead_engine_vs_http(server):
     from tests.serving.tiny_server import tiny_model
 
-    args = argparse.Namespace(input_len=16, output_len=8, vocab_size=49152, seed=0, overhead_repeats=1,
-                              config=str(server["config"]), serve_args="", api_key=KEY, timeout=60)
+    args = argparse.Namespace(
+        input_len=16,
+        output_len=8,
+        vocab_size=49152,
+        seed=0,
+        overhead_repeats=1,
+        config=str(server["config"]),
+        serve_args="",
+        api_key=KEY,
+        timeout=60,
+    )
     engine = bench_serve.overhead_engine(args, model=tiny_model())
     o = bench_serve.measure_overhead(args, f"http://127.0.0.1:{server['port']}", "tiny", engine)
     assert len(o["engine_runs_ms"]) == len(o["http_runs_ms"]) == 1

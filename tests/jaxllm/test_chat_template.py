@@ -44,8 +44,16 @@ RICH_TEMPLATE = """{{ bos_token }}
 {% endfor %}
 {%- if add_generation_prompt %}[assistant]{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}{% endif %}"""
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a < b & c",
-          "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a < b & c",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +64,7 @@ def tok(smollm2_gguf_path: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf_tok(tok: Tokenizer) -> Any:
     """transformers' tokenizer over the same vocabulary: the rendering reference."""
-    t = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok.hf, bos_token="<|im_start|>", eos_token="<|im_end|>"
-    )
+    t = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf, bos_token="<|im_start|>", eos_token="<|im_end|>")
     t.chat_template = tok.chat_template
     return t
 
@@ -146,12 +152,15 @@ def test_raise_exception_becomes_chat_template_error() -> None:
     assert render_chat(template, [{"role": "user", "content": "ok"}]).text == "ok"
 
 
-@pytest.mark.parametrize("template", [
-    "{% for m in messages %}",  # Syntax error.
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # Sandbox escape attempt.
-    "{{ messages[5].content }}",  # Undefined attribute access on undefined.
-    "{{ messages[0].content + 1 }}",  # Type error: str + int.
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for m in messages %}",  # Syntax error.
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # Sandbox escape attempt.
+        "{{ messages[5].content }}",  # Undefined attribute access on undefined.
+        "{{ messages[0].content + 1 }}",  # Type error: str + int.
+    ],
+)
 def test_broken_templates_raise_chat_template_error(template: str) -> None:
     with pytest.raises(ChatTemplateError):
         render_chat(template, [{"role": "user", "content": "x"}])
@@ -184,14 +193,17 @@ def test_synthetic_tokenizer_template() -> None:
     assert prompt.ids[-2:] != [] and len(prompt.message_boundaries) == 1
 
 
-@pytest.mark.parametrize("template,why", [
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
-    ("{{ 1/0 }}", "ZeroDivisionError"),
-    ("{{ 'x' * 100000000 }}", "repeats"),
-    ("{{ 7 ** 100000000 > 5 }}", "power"),
-    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "characters"),
-    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
-])
+@pytest.mark.parametrize(
+    "template,why",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+        ("{{ 1/0 }}", "ZeroDivisionError"),
+        ("{{ 'x' * 100000000 }}", "repeats"),
+        ("{{ 7 ** 100000000 > 5 }}", "power"),
+        ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "characters"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ],
+)
 def test_a_runaway_template_is_a_chat_template_error(template: str, why: str) -> None:
     tracer = sys.gettrace()
     with pytest.raises(ChatTemplateError, match=why):

@@ -32,8 +32,12 @@ SCHEMA = {
     "required": ["name", "age", "city"],
     "additionalProperties": False,
 }
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 MODEL_VOCAB = 49152 + 64  # a model vocabulary padded past the tokenizer's
 
 
@@ -92,14 +96,17 @@ def test_random_walk_through_the_mask_gives_schema_valid_json(tok):
 
 def test_tool_call_grammar_forces_a_named_call(tok):
     adapter = tokenizer_adapter(tok, MODEL_VOCAB)
-    grammar = compile_grammar(adapter, tool_call_grammar({"get_weather": WEATHER, "other": {}}, ["get_weather"]),
-                              "tool_call")
+    grammar = compile_grammar(
+        adapter, tool_call_grammar({"get_weather": WEATHER, "other": {}}, ["get_weather"]), "tool_call"
+    )
     good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
     c = GrammarConstraint(adapter, grammar)
     assert c.matcher.try_consume_tokens(tok.encode(good)) == len(tok.encode(good)) and c.is_accepting()
-    for bad in ('<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>',
-                '<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>',
-                'Sure! <tool_call>'):
+    for bad in (
+        '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>',
+        "Sure! <tool_call>",
+    ):
         c = GrammarConstraint(adapter, grammar)
         ids = tok.encode(bad)
         assert c.matcher.try_consume_tokens(ids) < len(ids)
@@ -125,10 +132,12 @@ def test_greedy_generation_with_the_default_model_matches_the_schema(smollm2_ggu
     from jaxllm.api import load
 
     model = load(str(smollm2_gguf_path))
-    engine = model.engine(EngineConfig(max_slots=2, max_seq_len=512, kv_bytes=32 << 20, chunk_buckets=(64, 128),
-                                       decode_steps_per_call=4))
-    prompt = model.chat_ids([{"role": "user", "content": "Describe a person as JSON with name, age and city."}],
-                            add_generation_prompt=True)
+    engine = model.engine(
+        EngineConfig(max_slots=2, max_seq_len=512, kv_bytes=32 << 20, chunk_buckets=(64, 128), decode_steps_per_call=4)
+    )
+    prompt = model.chat_ids(
+        [{"role": "user", "content": "Describe a person as JSON with name, age and city."}], add_generation_prompt=True
+    )
     c = constraint_for(model.tokenizer, model.cfg.vocab_size, json_schema_grammar(SCHEMA), "json_schema")
     free = engine.add(prompt, SamplingParams(temperature=0, max_tokens=24))
     seq = engine.add(prompt, SamplingParams(temperature=0, max_tokens=100), constraint=c)

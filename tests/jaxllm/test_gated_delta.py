@@ -276,7 +276,9 @@ def test_rule_matches_hf(rule):
     kw = dict(initial_state=t(state), output_final_state=True, use_qk_l2norm_in_kernel=True)
     with torch.no_grad():
         if rule == "chunked":
-            ref_out, ref_state = hf.torch_chunk_gated_delta_rule(t(q1), t(k1), t(v), t(g), t(beta), chunk_size=CHUNK, **kw)
+            ref_out, ref_state = hf.torch_chunk_gated_delta_rule(
+                t(q1), t(k1), t(v), t(g), t(beta), chunk_size=CHUNK, **kw
+            )
         else:
             ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(t(q1), t(k1), t(v), t(g), t(beta), **kw)
     qr, kr = np.repeat(q1, H, axis=2), np.repeat(k1, H, axis=2)

@@ -100,8 +100,12 @@ def _q8_0_rounded_copy(src: Path, dst: Path) -> Path:
     state = load_file(str(path))
     q8 = gguf.GGMLQuantizationType.Q8_0
     for name, x in state.items():
-        keep = (x.ndim < 2 or not name.endswith(".weight") or x.shape[-1] % 32
-                or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight")))
+        keep = (
+            x.ndim < 2
+            or not name.endswith(".weight")
+            or x.shape[-1] % 32
+            or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight"))
+        )
         if not keep:
             state[name] = gguf.quants.dequantize(gguf.quants.quantize(x, q8), q8).astype(x.dtype)
     save_file(state, str(path), metadata={"format": "pt"})
@@ -141,8 +145,14 @@ def test_value_head_untiling_inverts_the_converter() -> None:
     np.testing.assert_array_equal(untile_value_heads(tile_value_heads(grouped.T, 1, Hk, Hv), 1, Hk, Hv), grouped.T)
 
 
-def _copy_gguf(src: Path, dst: Path, *, fields: dict[str, int] | None = None,
-               extra: dict[str, np.ndarray] | None = None, drop: tuple[str, ...] = ()) -> Path:
+def _copy_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    fields: dict[str, int] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
+    drop: tuple[str, ...] = (),
+) -> Path:
     """Rewrites a GGUF with some integer metadata replaced or added, the tensors named in
     `drop` left out and `extra` F32 tensors added."""
     reader = gguf.GGUFReader(src)
@@ -178,11 +188,15 @@ def test_mtp_blocks_are_skipped_with_a_warning(tiny, reference, tmp_path: Path) 
     reader = gguf.GGUFReader(src)
     n = reader.get_field("qwen35.block_count").contents()
     rng = np.random.default_rng(0)
-    extra = {f"blk.{n}.{t.name.split('.', 2)[2]}": rng.standard_normal(np.asarray(t.data).shape)
-             for t in reader.tensors if t.name.startswith("blk.1.")}  # a full-attention block's tensors
+    extra = {
+        f"blk.{n}.{t.name.split('.', 2)[2]}": rng.standard_normal(np.asarray(t.data).shape)
+        for t in reader.tensors
+        if t.name.startswith("blk.1.")
+    }  # a full-attention block's tensors
     extra[f"blk.{n}.nextn.eh_proj.weight"] = rng.standard_normal((64, 128))
-    path = _copy_gguf(src, tmp_path / "mtp.gguf", fields={"qwen35.block_count": n + 1, "qwen35.nextn_predict_layers": 1},
-                      extra=extra)
+    path = _copy_gguf(
+        src, tmp_path / "mtp.gguf", fields={"qwen35.block_count": n + 1, "qwen35.nextn_predict_layers": 1}, extra=extra
+    )
     with pytest.warns(UserWarning, match="multi-token-prediction"):
         cfg, params = load_gguf_model(path, progress=False)
     assert cfg.n_layers == n and cfg.mtp_layers == 0
@@ -193,8 +207,12 @@ def test_fused_gate_up_experts(tiny, reference, tmp_path: Path) -> None:
     """`--fuse-gate-up-exps` files hold ffn_gate_up_exps [E, 2F, D], the gate rows first."""
     src = hf_to_gguf(tiny["qwen3_5_moe_text"], tmp_path / "m.gguf")
     tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(src).tensors}
-    fused = {f"blk.{i}.ffn_gate_up_exps.weight": np.concatenate(
-        [tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]], axis=1) for i in range(4)}
+    fused = {
+        f"blk.{i}.ffn_gate_up_exps.weight": np.concatenate(
+            [tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]], axis=1
+        )
+        for i in range(4)
+    }
     drop = tuple(f"blk.{i}.ffn_{p}_exps.weight" for i in range(4) for p in ("gate", "up"))
     _, params = load_gguf_model(_copy_gguf(src, tmp_path / "fused.gguf", extra=fused, drop=drop), progress=False)
     assert max(_max_leaf_error(params, reference["qwen3_5_moe_text"][1]).values()) < 1e-6

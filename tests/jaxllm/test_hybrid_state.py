@@ -21,10 +21,26 @@ from jaxllm.sampling import SamplingParams
 from jaxllm.state import recurrent_bytes_per_sequence
 
 CFG = ModelConfig(
-    family="qwen3_next", vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=0,
-    max_position=256, n_experts=4, n_experts_per_token=2, moe_ffn_dim=16, shared_expert_ffn_dim=24,
-    layer_types=("linear_attention", "full_attention") * 2, linear_n_k_heads=2, linear_n_v_heads=4,
-    linear_k_dim=8, linear_v_dim=8, conv_kernel=4, rotary_dim=4,
+    family="qwen3_next",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=0,
+    max_position=256,
+    n_experts=4,
+    n_experts_per_token=2,
+    moe_ffn_dim=16,
+    shared_expert_ffn_dim=24,
+    layer_types=("linear_attention", "full_attention") * 2,
+    linear_n_k_heads=2,
+    linear_n_v_heads=4,
+    linear_k_dim=8,
+    linear_v_dim=8,
+    conv_kernel=4,
+    rotary_dim=4,
 )
 PROMPT = [5, 9, 33, 2, 71, 14, 14, 60, 3, 44, 12, 87, 6, 6, 19, 50, 23]
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
@@ -37,8 +53,15 @@ def params():
 
 
 def make_engine(params, **kw) -> Engine:
-    config = EngineConfig(max_slots=3, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 32), min_ctx_pages=2,
-                          decode_widths=(1, 2), **kw)
+    config = EngineConfig(
+        max_slots=3,
+        kv_bytes=1 << 20,
+        max_seq_len=64,
+        chunk_buckets=(8, 32),
+        min_ctx_pages=2,
+        decode_widths=(1, 2),
+        **kw,
+    )
     return Engine(CFG, params, eos_ids=[0], config=config)
 
 
@@ -124,7 +147,9 @@ def test_checkpoint_and_model_round_trip_through_orbax(params):
 
 
 def test_recurrent_state_is_a_fixed_size_per_slot(params):
-    per_seq = 4 * 2 * ((CFG.conv_kernel - 1) * CFG.conv_dim + CFG.linear_n_v_heads * CFG.linear_k_dim * CFG.linear_v_dim)
+    per_seq = (
+        4 * 2 * ((CFG.conv_kernel - 1) * CFG.conv_dim + CFG.linear_n_v_heads * CFG.linear_k_dim * CFG.linear_v_dim)
+    )
     assert recurrent_bytes_per_sequence(CFG) == per_seq
     engine = make_engine(params)
     assert engine.state.recurrent.delta.shape == (2, 4, 4, 8, 8)  # linear layers, slots + trash row, Hv, Dk, Dv
@@ -151,8 +176,15 @@ def test_decode_kernel_and_unrolled_layers_match_the_scanned_jnp_recurrence(para
     greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     runs = []
     for decode_delta, unrolled in (("reference", False), ("interpret", False), ("interpret", True)):
-        config = EngineConfig(max_slots=3, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 32), min_ctx_pages=2,
-                              decode_widths=(1, 2), decode_steps_per_call=steps_per_call)
+        config = EngineConfig(
+            max_slots=3,
+            kv_bytes=1 << 20,
+            max_seq_len=64,
+            chunk_buckets=(8, 32),
+            min_ctx_pages=2,
+            decode_widths=(1, 2),
+            decode_steps_per_call=steps_per_call,
+        )
         opts = RuntimeOptions(decode_delta=decode_delta, scan_layers=not unrolled)
         engine = Engine(CFG, layout_params(params, opts.scan_layers), eos_ids=[0], config=config, options=opts)
         first = engine.add(PROMPT, greedy)

@@ -113,8 +113,9 @@ def test_decode_paths_over_an_fp8_cache_match_numpy():
     ref = paged_decode_reference(q, k_new, v_new, jnp.asarray(cached), k_pages, v_pages, table, windows, n_ctx_pages=4)
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
 
-    kernel = paged_decode_attention(q, k_new, v_new, k_pages, v_pages, jnp.asarray(pages), jnp.asarray(cached),
-                                    interpret=True, _pages_per_block=4)
+    kernel = paged_decode_attention(
+        q, k_new, v_new, k_pages, v_pages, jnp.asarray(pages), jnp.asarray(cached), interpret=True, _pages_per_block=4
+    )
     assert kernel.dtype == jnp.float32
     np.testing.assert_allclose(kernel, want, rtol=1e-5, atol=1e-5)
 
@@ -160,17 +161,40 @@ def test_kernel_from_the_projection_rounds_the_fresh_kv_through_the_pool():
     want = _decode_oracle(q, _wide(k_fresh), _wide(v_fresh), k_pages, v_pages, pages, cached)
 
     out = paged_decode_attention_qkv(
-        jnp.asarray(qkv, jnp.float32), jnp.asarray(positions), jnp.asarray(inv_freq, jnp.float32), k_pages, v_pages,
-        jnp.asarray(pages), jnp.asarray(cached), n_heads=H, interpret=True,
+        jnp.asarray(qkv, jnp.float32),
+        jnp.asarray(positions),
+        jnp.asarray(inv_freq, jnp.float32),
+        k_pages,
+        v_pages,
+        jnp.asarray(pages),
+        jnp.asarray(cached),
+        n_heads=H,
+        interpret=True,
     )
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
-TINY = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   ffn_dim=64, max_position=256)
-ENGINE = EngineConfig(max_slots=4, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 16), min_ctx_pages=2,
-                      decode_steps_per_call=4, decode_widths=(4,))
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    max_position=256,
+)
+ENGINE = EngineConfig(
+    max_slots=4,
+    kv_bytes=1 << 20,
+    max_seq_len=64,
+    chunk_buckets=(8, 16),
+    min_ctx_pages=2,
+    decode_steps_per_call=4,
+    decode_widths=(4,),
+)
 PROMPTS = [list(range(3, 8)), list(range(10, 21))]
 
 
@@ -205,9 +229,12 @@ def test_engine_with_an_fp8_cache(tiny_params):
         # The first token's log-probability: within float8's rounding of the float32 cache's.
         assert abs(a.logprobs[0] - b.logprobs[0]) < 0.05, (a.logprobs[0], b.logprobs[0])
 
-    ref_engine, ref = _prefill_and_decode(RuntimeOptions(kv_dtype="float8_e4m3fn", decode_attention="reference"),
-                                           tiny_params, 6)
-    _, kern = _prefill_and_decode(RuntimeOptions(kv_dtype="float8_e4m3fn", decode_attention="interpret"), tiny_params, 6)
+    ref_engine, ref = _prefill_and_decode(
+        RuntimeOptions(kv_dtype="float8_e4m3fn", decode_attention="reference"), tiny_params, 6
+    )
+    _, kern = _prefill_and_decode(
+        RuntimeOptions(kv_dtype="float8_e4m3fn", decode_attention="interpret"), tiny_params, 6
+    )
     for a, b in zip(ref, kern):
         assert a.generated == b.generated
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)

@@ -40,15 +40,26 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-TINY_DENSE = ModelConfig(family="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         head_dim=8, ffn_dim=48, max_position=64)
+TINY_DENSE = ModelConfig(
+    family="llama",
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=48,
+    max_position=64,
+)
 
 
 def assert_matches_hf(cfg: ModelConfig, params: Params, state: dict[str, np.ndarray], atol: float = 0.0) -> None:
     """Checks every param against the HF state dict through the einsum conventions."""
     params = canonical_params(params)  # load_model returns the runtime tree (fused, maybe unrolled)
     H, K, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
-    close = lambda got, want, what: np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=atol, rtol=0, err_msg=what)
+    close = lambda got, want, what: np.testing.assert_allclose(
+        np.asarray(got, np.float32), want, atol=atol, rtol=0, err_msg=what
+    )
     x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
     a = np.random.default_rng(1).standard_normal((3, H, Dh)).astype(np.float32)
     p = params.layers
@@ -275,8 +286,12 @@ def test_orbax_model_keeps_tokenizer_template_and_defaults(smollm2_gguf_path: Pa
     from jaxllm.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_gguf_path)
-    model = Model(cfg=TINY_DENSE, params=dummy_params(TINY_DENSE, seed=1), tokenizer=tok,
-                  generation_defaults={"temperature": 0.6, "top_p": 0.9})
+    model = Model(
+        cfg=TINY_DENSE,
+        params=dummy_params(TINY_DENSE, seed=1),
+        tokenizer=tok,
+        generation_defaults={"temperature": 0.6, "top_p": 0.9},
+    )
     model.save(str(tmp_path / "m"))
     back = load(str(tmp_path / "m"))
     assert back.tokenizer.chat_template == tok.chat_template and back.tokenizer.eos_ids == tok.eos_ids
@@ -288,8 +303,9 @@ def test_orbax_model_keeps_tokenizer_template_and_defaults(smollm2_gguf_path: Pa
 def test_generation_defaults_of_each_format(tmp_path: Path) -> None:
     from jaxllm.loading.generation import generation_defaults
 
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.7, "top_k": 20, "top_p": None, "do_sample": True, "eos_token_id": [1, 2]}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.7, "top_k": 20, "top_p": None, "do_sample": True, "eos_token_id": [1, 2]})
+    )
     assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_k": 20}
     assert generation_defaults(tmp_path / "missing") == {}
     path = tmp_path / "s.gguf"
@@ -347,17 +363,39 @@ def test_runtime_layout_round_trips(scan_layers: bool) -> None:
 
 
 def test_dummy_allocates_tiny(tmp_path: Path) -> None:
-    cfg = ModelConfig(family="qwen3_moe", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      head_dim=8, ffn_dim=0, max_position=64, qk_norm=True, n_experts=4,
-                      n_experts_per_token=2, moe_ffn_dim=16)
+    cfg = ModelConfig(
+        family="qwen3_moe",
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=0,
+        max_position=64,
+        qk_norm=True,
+        n_experts=4,
+        n_experts_per_token=2,
+        moe_ffn_dim=16,
+    )
     params = dummy_params(cfg, seed=1)
     chex.assert_trees_all_equal_shapes_and_dtypes(params, param_shapes(cfg))
     assert float(jnp.std(params.layers.attn.wq)) == pytest.approx(0.02, rel=0.2)
     assert bool(jnp.all(params.layers.attn_norm == 1)) and bool(jnp.all(params.final_norm == 1))
     chex.assert_trees_all_equal(dummy_params(cfg, seed=1), params)  # deterministic per seed
     preset = tmp_path / "tiny.json"
-    preset.write_text(json.dumps({"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
-                                  "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24}))
+    preset.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 32,
+                "hidden_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 24,
+            }
+        )
+    )
     cfg2, p2 = load_model(str(preset), fmt="dummy", options=RuntimeOptions(dtype="bfloat16"))
     assert cfg2.vocab_size == 32 and p2.embed.dtype == jnp.bfloat16
 
@@ -366,8 +404,16 @@ def _gguf_with(path: Path, **meta: object) -> Path:
     """A llama GGUF with sane shape metadata, `meta` overriding it, and two blocks' tensors."""
     from jaxllm.loading.gguf import gguf_config, open_gguf  # noqa: F401 - the readers under test
 
-    values = {"embedding_length": 32, "attention.head_count": 4, "attention.head_count_kv": 2, "block_count": 2,
-              "feed_forward_length": 48, "context_length": 64, "attention.layer_norm_rms_epsilon": 1e-6, **meta}
+    values = {
+        "embedding_length": 32,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "block_count": 2,
+        "feed_forward_length": 48,
+        "context_length": 64,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        **meta,
+    }
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in values.items():
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"llama.{key}", value)
@@ -381,15 +427,18 @@ def _gguf_with(path: Path, **meta: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize("meta,key", [
-    ({"attention.head_count": 0}, "head_count"),
-    ({"block_count": 100000}, "block_count"),
-    ({"block_count": 3}, "block_count"),
-    ({"attention.head_count_kv": 3}, "key/value heads"),
-    ({"embedding_length": 0}, "embedding_length"),
-    ({"attention.layer_norm_rms_epsilon": float("nan")}, "epsilon"),
-    ({"context_length": 0}, "context_length"),
-])
+@pytest.mark.parametrize(
+    "meta,key",
+    [
+        ({"attention.head_count": 0}, "head_count"),
+        ({"block_count": 100000}, "block_count"),
+        ({"block_count": 3}, "block_count"),
+        ({"attention.head_count_kv": 3}, "key/value heads"),
+        ({"embedding_length": 0}, "embedding_length"),
+        ({"attention.layer_norm_rms_epsilon": float("nan")}, "epsilon"),
+        ({"context_length": 0}, "context_length"),
+    ],
+)
 def test_gguf_shape_metadata_is_checked_on_load(tmp_path: Path, meta: dict, key: str) -> None:
     from jaxllm.loading.gguf import gguf_config, open_gguf
 
@@ -398,11 +447,17 @@ def test_gguf_shape_metadata_is_checked_on_load(tmp_path: Path, meta: dict, key:
         gguf_config(open_gguf(_gguf_with(tmp_path / "bad.gguf", **meta)))
 
 
-@pytest.mark.parametrize("override,key", [({"num_attention_heads": 0}, "num_attention_heads"),
-                                          ({"num_hidden_layers": 100000}, "num_hidden_layers"),
-                                          ({"rms_norm_eps": -1.0}, "rms_norm_eps")])
-def test_config_json_shapes_are_checked_on_load(hf_dirs: dict[str, Path], tmp_path: Path, override: dict,
-                                                key: str) -> None:
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads"),
+        ({"num_hidden_layers": 100000}, "num_hidden_layers"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
+    ],
+)
+def test_config_json_shapes_are_checked_on_load(
+    hf_dirs: dict[str, Path], tmp_path: Path, override: dict, key: str
+) -> None:
     import shutil
 
     model = tmp_path / "m"

@@ -70,9 +70,15 @@ def test_prompt_logits_match_transformers(tiny_models, name, scan_layers):
 
 
 def _engine(cfg, params, **kw) -> Engine:
-    config = EngineConfig(max_slots=4, kv_bytes=cfg.n_layers * 2 * 16 * cfg.n_kv_heads * cfg.head_dim * 4 * 64,
-                          max_seq_len=128, chunk_buckets=(8, 32), min_ctx_pages=2,
-                          decode_widths=(1, 2), **kw)
+    config = EngineConfig(
+        max_slots=4,
+        kv_bytes=cfg.n_layers * 2 * 16 * cfg.n_kv_heads * cfg.head_dim * 4 * 64,
+        max_seq_len=128,
+        chunk_buckets=(8, 32),
+        min_ctx_pages=2,
+        decode_widths=(1, 2),
+        **kw,
+    )
     return Engine(cfg, params, eos_ids=[], config=config)
 
 

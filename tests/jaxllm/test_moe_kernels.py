@@ -20,6 +20,7 @@ SMALL = (("gu_block_k", 32), ("gu_block_n", 16), ("dn_block_k", 16), ("dn_block_
 def _weights(rng, E: int, D: int, F: int, dtype=jnp.float32):
     def w(*shape):
         return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), dtype)
+
     return w(E, D, F), w(E, D, F), w(E, F, D)
 
 
@@ -96,9 +97,21 @@ def test_layout_per_round_width():
 def test_moe_mlp_kernel_matches_ragged_dot_path(dtype, T):
     """The dispatch in `moe_mlp`: routing, normalisation and the expert counts unchanged, the
     output equal to the ragged_dot path's within the dtype's rounding."""
-    cfg = ModelConfig(family="qwen3_moe", vocab_size=32, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
-                      head_dim=16, ffn_dim=96, max_position=64, n_experts=8, n_experts_per_token=2, moe_ffn_dim=32,
-                      norm_topk_prob=True)
+    cfg = ModelConfig(
+        family="qwen3_moe",
+        vocab_size=32,
+        d_model=64,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=96,
+        max_position=64,
+        n_experts=8,
+        n_experts_per_token=2,
+        moe_ffn_dim=32,
+        norm_topk_prob=True,
+    )
     rng = np.random.default_rng(T)
     jdt = jnp.dtype(dtype)
     wg, wu, wd = _weights(rng, 8, 64, 32, jdt)

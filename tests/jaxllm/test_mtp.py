@@ -72,8 +72,10 @@ def _reference_modules(model: Any, seed: int) -> dict[str, Any]:
 def _mtp_tensors(mods: dict[str, Any], experts: str) -> dict[str, np.ndarray]:
     """Checkpoint names of the head's tensors; routed experts one tensor per expert and
     projection (as transformers and the Qwen checkpoints save them) or fused as in memory."""
-    out = {f"mtp.{k}.weight": mods[k].weight.detach().numpy() for k in
-           ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    out = {
+        f"mtp.{k}.weight": mods[k].weight.detach().numpy()
+        for k in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+    }
     for name, p in mods["layer"].state_dict().items():
         w = p.detach().numpy()
         if experts == "per_expert" and name == "mlp.experts.gate_up_proj":
@@ -131,8 +133,17 @@ def mtp_model(request, tmp_path_factory) -> dict[str, Any]:
     tokens = torch.from_numpy(np.random.default_rng(2).integers(0, cfg.vocab_size, 9))
     with torch.no_grad():
         hidden = model.model(tokens[None]).last_hidden_state[0]  # [9, D] final-normed
-    return dict(family=family, dir=plain, model=model, mods=mods, tensors=tensors, cfg=cfg, params=params,
-                tokens=tokens, hidden=hidden)
+    return dict(
+        family=family,
+        dir=plain,
+        model=model,
+        mods=mods,
+        tensors=tensors,
+        cfg=cfg,
+        params=params,
+        tokens=tokens,
+        hidden=hidden,
+    )
 
 
 def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -149,8 +160,9 @@ def test_mtp_forward_matches_reference(mtp_model, T):
     positions = torch.arange(start, 8)
     want_logits, want_hidden = _reference(m["mods"], m["model"], hidden, next_tokens, positions)
     fn = jax.jit(mtp_forward, static_argnums=1)
-    logits, head_hidden = fn(params, cfg, jnp.asarray(hidden.numpy()), jnp.asarray(next_tokens.numpy()),
-                             jnp.asarray(positions.numpy()))
+    logits, head_hidden = fn(
+        params, cfg, jnp.asarray(hidden.numpy()), jnp.asarray(next_tokens.numpy()), jnp.asarray(positions.numpy())
+    )
     assert logits.shape == (T, cfg.vocab_size) and logits.dtype == jnp.float32
     assert _rel_err(np.asarray(logits), want_logits.numpy()) < 1e-4
     assert _rel_err(np.asarray(head_hidden), want_hidden.numpy()) < 1e-4
@@ -193,8 +205,10 @@ def test_missing_mtp_tensor_is_an_error(mtp_model, tmp_path, drop):
     d = tmp_path / "partial"
     shutil.copytree(m["dir"], d)
     _add_shard(d, {k: v for k, v in m["tensors"].items() if k != drop})
-    leaf = {"mtp.pre_fc_norm_hidden.weight": r"mtp\.norm_hidden",
-            "mtp.layers.0.self_attn.k_norm.weight": r"mtp\.block\.mixer\.k_norm\[0\]"}[drop]
+    leaf = {
+        "mtp.pre_fc_norm_hidden.weight": r"mtp\.norm_hidden",
+        "mtp.layers.0.self_attn.k_norm.weight": r"mtp\.block\.mixer\.k_norm\[0\]",
+    }[drop]
     with pytest.raises(ValueError, match=f"lacks tensors: {leaf}"):
         load_model(d, progress=False)
 

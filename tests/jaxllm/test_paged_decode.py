@@ -38,8 +38,16 @@ def _reference(q, k_new, v_new, k_pages, v_pages, pages, cached_len):
     W = q.shape[0]
     windows = Windows(slot=jnp.arange(W), start=jnp.arange(W), length=jnp.ones((W,), jnp.int32))
     return paged_attention(
-        q, k_new, v_new, cached_len, k_pages, v_pages, pages, windows,
-        window_len=1, n_ctx_pages=pages.shape[1],
+        q,
+        k_new,
+        v_new,
+        cached_len,
+        k_pages,
+        v_pages,
+        pages,
+        windows,
+        window_len=1,
+        n_ctx_pages=pages.shape[1],
     )
 
 

@@ -28,10 +28,14 @@ def test_stacked_pool_reads_the_given_layer_only():
     q, k_new, v_new, k_pages, v_pages, pages, cached = _inputs(3, 6, 2)
     poison = jnp.full_like(k_pages, jnp.nan)
     k_stack, v_stack = jnp.stack([poison, k_pages, poison]), jnp.stack([poison, v_pages, poison])
-    run = jax.jit(lambda layer: paged_decode_cpu.paged_decode_attention_cpu(
-        q, k_new, v_new, k_stack, v_stack, pages, cached, layer=layer))
-    np.testing.assert_allclose(run(jnp.int32(1)), _reference(q, k_new, v_new, k_pages, v_pages, pages, cached),
-                               rtol=1e-5, atol=1e-5)
+    run = jax.jit(
+        lambda layer: paged_decode_cpu.paged_decode_attention_cpu(
+            q, k_new, v_new, k_stack, v_stack, pages, cached, layer=layer
+        )
+    )
+    np.testing.assert_allclose(
+        run(jnp.int32(1)), _reference(q, k_new, v_new, k_pages, v_pages, pages, cached), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_rows_past_the_cached_length_are_never_read():
@@ -42,13 +46,16 @@ def test_rows_past_the_cached_length_are_never_read():
     for w, n in enumerate(CACHED):
         for s in range(n, pages.shape[1] * page):
             p, r = int(pages[w, s // page]), s % page
-            if not any(int(pages[o, t // page]) == p and t % page == r and t < CACHED[o]
-                       for o in range(len(CACHED)) for t in range(CACHED[o])):
+            if not any(
+                int(pages[o, t // page]) == p and t % page == r and t < CACHED[o]
+                for o in range(len(CACHED))
+                for t in range(CACHED[o])
+            ):
                 k_np[p, r], v_np[p, r] = np.nan, np.nan
-    ours = paged_decode_cpu.paged_decode_attention_cpu(q, k_new, v_new, jnp.asarray(k_np), jnp.asarray(v_np),
-                                                       pages, cached)
-    np.testing.assert_allclose(ours, _reference(q, k_new, v_new, k_pages, v_pages, pages, cached),
-                               rtol=1e-5, atol=1e-5)
+    ours = paged_decode_cpu.paged_decode_attention_cpu(
+        q, k_new, v_new, jnp.asarray(k_np), jnp.asarray(v_np), pages, cached
+    )
+    np.testing.assert_allclose(ours, _reference(q, k_new, v_new, k_pages, v_pages, pages, cached), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cached", [300, 64, 17])
@@ -62,5 +69,6 @@ def test_a_long_window_split_across_threads_matches_reference(cached):
     k_pages, v_pages = (jnp.asarray(rng.normal(size=(P, page, K, Dh)) * 2, jnp.float32) for _ in range(2))
     pages = jnp.asarray(rng.permutation(np.arange(1, P))[:n_ctx][None], jnp.int32)
     args = (q, k_new, v_new, k_pages, v_pages, pages, jnp.asarray([cached], jnp.int32))
-    np.testing.assert_allclose(paged_decode_cpu.paged_decode_attention_cpu(*args), _reference(*args),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        paged_decode_cpu.paged_decode_attention_cpu(*args), _reference(*args), rtol=1e-5, atol=1e-5
+    )

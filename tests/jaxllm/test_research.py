@@ -21,8 +21,17 @@ from jaxllm.research.compare import sequence_logits
 from jaxllm.sampling import SamplingParams, sample, sampling_row
 from jaxllm.tokenizer import Tokenizer
 
-TINY = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   ffn_dim=64, max_position=512)
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    max_position=512,
+)
 V = TINY.vocab_size
 
 
@@ -55,11 +64,28 @@ SAMPLERS = {
 
 
 def test_compare_table_measures_each_sample(model):
-    prompts = ["t5 t6 t7", [{"role": "user", "content": "t9 t9 t10"}], [3, 4, 5, 6, 7, 8], make_tasks(1, kinds=("copy",))[0]]
+    prompts = [
+        "t5 t6 t7",
+        [{"role": "user", "content": "t9 t9 t10"}],
+        [3, 4, 5, 6, 7, 8],
+        make_tasks(1, kinds=("copy",))[0],
+    ]
     table = compare(model, prompts, SAMPLERS, seeds=[0, 1], max_tokens=12, max_slots=8)
     assert len(table) == len(prompts) * len(SAMPLERS) * 2
-    for column in ("prompt", "sampler", "seed", "text", "token_ids", "n_tokens", "nll", "mean_entropy", "distinct_1",
-                   "distinct_2", "repetition", "score"):
+    for column in (
+        "prompt",
+        "sampler",
+        "seed",
+        "text",
+        "token_ids",
+        "n_tokens",
+        "nll",
+        "mean_entropy",
+        "distinct_1",
+        "distinct_2",
+        "repetition",
+        "score",
+    ):
         assert column in table.columns
     chat = model.chat_ids([{"role": "user", "content": "t5 t6 t7"}])
     for row in table.itertuples():
@@ -83,8 +109,15 @@ def test_compare_table_measures_each_sample(model):
     assert (greedy.groupby("prompt").text.nunique() == 1).all(), "greedy ignores the seed"
     # A row's tokens depend on its (prompt, sampler, seed) only: rerun one row alone.
     row = table[(table.sampler == "mirostat") & (table.seed == 1)].iloc[2]
-    alone = compare(model, [prompts[2]], {"mirostat": SAMPLERS["mirostat"]}, seeds=[1], max_tokens=12, max_slots=8,
-                    logits_processors=PROCS)
+    alone = compare(
+        model,
+        [prompts[2]],
+        {"mirostat": SAMPLERS["mirostat"]},
+        seeds=[1],
+        max_tokens=12,
+        max_slots=8,
+        logits_processors=PROCS,
+    )
     assert list(alone.token_ids[0]) == list(row.token_ids)
 
 
@@ -94,18 +127,31 @@ def test_samplers_share_compiled_rounds(model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, V, int(n)).tolist() for n in rng.integers(3, 40, 12)]
     first = list(SAMPLERS.values())
-    second = [dataclasses.replace(p, temperature=0.9, typical_p=0.5, dry_multiplier=0.3, mirostat_tau=2.0,
-                                  logits_processor=shift if i % 2 else None) for i, p in enumerate(first)]
+    second = [
+        dataclasses.replace(
+            p,
+            temperature=0.9,
+            typical_p=0.5,
+            dry_multiplier=0.3,
+            mirostat_tau=2.0,
+            logits_processor=shift if i % 2 else None,
+        )
+        for i, p in enumerate(first)
+    ]
     engine = research_engine(model, 12, 64, max_slots=8, logits_processors=PROCS)
 
     def rows(samplers):
-        return [(p, dataclasses.replace(samplers[i % len(samplers)], seed=i, max_tokens=10)) for i, p in enumerate(prompts)]
+        return [
+            (p, dataclasses.replace(samplers[i % len(samplers)], seed=i, max_tokens=10)) for i, p in enumerate(prompts)
+        ]
 
     run_rows(model, engine, rows(first))
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
+        lambda event, duration, **kw: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
     try:
         out = run_rows(model, engine, rows(second))
     finally:
@@ -129,10 +175,16 @@ def _np_reference(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return out / out.sum()
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.6),
-                                    SamplingParams(temperature=1.0, top_p=0.7),
-                                    SamplingParams(temperature=1.2, min_p=0.08)],
-                         ids=["T=0.7", "T=1.6", "top-p", "min-p"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.6),
+        SamplingParams(temperature=1.0, top_p=0.7),
+        SamplingParams(temperature=1.2, min_p=0.08),
+    ],
+    ids=["T=0.7", "T=1.6", "top-p", "min-p"],
+)
 def test_draws_follow_the_models_own_distribution(model, params):
     """The engine's first token for a seed is the compiled sampler's draw on the model's own
     logits (checked for 8 seeds); 3000 seeds of that sampler fit numpy's distribution (χ²)."""
@@ -143,9 +195,17 @@ def test_draws_follow_the_models_own_distribution(model, params):
     n = 3000
     rows = [sampling_row(dataclasses.replace(params, seed=i), V, set(), np.uint32(i)) for i in range(n)]
     s = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *rows)
-    tokens = np.asarray(jax.jit(sample)(jnp.asarray(np.repeat(logits[None], n, 0)), s, jnp.zeros((n, V), bool),
-                                        jnp.zeros((n, V), jnp.int32), jnp.zeros((n,), jnp.int32),
-                                        jnp.full((n,), len(prompt), jnp.int32), jnp.bool_(False)).tokens)
+    tokens = np.asarray(
+        jax.jit(sample)(
+            jnp.asarray(np.repeat(logits[None], n, 0)),
+            s,
+            jnp.zeros((n, V), bool),
+            jnp.zeros((n, V), jnp.int32),
+            jnp.zeros((n,), jnp.int32),
+            jnp.full((n,), len(prompt), jnp.int32),
+            jnp.bool_(False),
+        ).tokens
+    )
     assert (want[tokens] > 0).all(), "a token outside the kept set"
     counts = np.bincount(tokens, minlength=V)
     big = want * n >= 5  # χ² cells with enough expectation; the rest pooled
@@ -176,17 +236,31 @@ def test_same_prompt_and_seed_give_the_same_tokens_whatever_the_batch(model, con
     seeds and budgets (finished neighbours free slots that later rows take), drafting
     neighbours (`drafts`: prompt-lookup drafts verified in the same rounds; the targets then
     draft too) and resumed from a prefix checkpoint (a prefix-cache hit)."""
-    targets = [([5, 9, 14, 3], SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True)),
-               ([8, 8, 2], SamplingParams(temperature=1.0, mirostat_tau=2.5, dry_multiplier=0.5, seed=7, max_tokens=10,
-                                          ignore_eos=True))]
-    alone = [run_rows(model, research_engine(model, 8, 48, logits_processors=PROCS), [t])[0].completion.token_ids for t in targets]
+    targets = [
+        ([5, 9, 14, 3], SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True)),
+        (
+            [8, 8, 2],
+            SamplingParams(
+                temperature=1.0, mirostat_tau=2.5, dry_multiplier=0.5, seed=7, max_tokens=10, ignore_eos=True
+            ),
+        ),
+    ]
+    alone = [
+        run_rows(model, research_engine(model, 8, 48, logits_processors=PROCS), [t])[0].completion.token_ids
+        for t in targets
+    ]
     resumed = [(*t, _prefix_checkpoint(model, t)) for t in targets]
     rng = np.random.default_rng(concurrent)
     names = list(SAMPLERS)
-    neighbours = [(rng.integers(1, V, int(rng.integers(1, 30))).tolist(),
-                   dataclasses.replace(SAMPLERS[names[i % len(names)]], seed=int(rng.integers(0, 1000)),
-                                       max_tokens=int(rng.integers(1, 14))))
-                  for i in range(concurrent + 4 - 2 * len(targets))]
+    neighbours = [
+        (
+            rng.integers(1, V, int(rng.integers(1, 30))).tolist(),
+            dataclasses.replace(
+                SAMPLERS[names[i % len(names)]], seed=int(rng.integers(0, 1000)), max_tokens=int(rng.integers(1, 14))
+            ),
+        )
+        for i in range(concurrent + 4 - 2 * len(targets))
+    ]
     half = len(neighbours) // 2
     rows = neighbours[:half] + targets + resumed + neighbours[half:]
     engine = research_engine(model, concurrent, 48, logits_processors=PROCS, max_drafts=drafts)
@@ -207,6 +281,7 @@ def test_task_checkers_score_right_and_wrong_answers():
         j = tasks.json_extraction(seed)
         assert j.check(f"Here: {j.answer}") == 1 and j.check("no json") == 0
         import json
+
         broken = {**json.loads(j.answer), "city": "Nowhere"}
         assert j.check(json.dumps(broken)) == pytest.approx(2 / 3)
         lst = tasks.counted_list(seed)
@@ -237,8 +312,15 @@ def test_frontier_draws_every_sampler(model):
     import matplotlib
 
     matplotlib.use("Agg")
-    table = compare(model, [[3, 4, 5]], {k: SAMPLERS[k] for k in ("greedy", "t0.8", "min-p", "dry")}, seeds=[0, 1],
-                    max_tokens=6, max_slots=8, logits_processors=PROCS)
+    table = compare(
+        model,
+        [[3, 4, 5]],
+        {k: SAMPLERS[k] for k in ("greedy", "t0.8", "min-p", "dry")},
+        seeds=[0, 1],
+        max_tokens=6,
+        max_slots=8,
+        logits_processors=PROCS,
+    )
     ax = frontier(table, x="distinct_2", y="nll")
     assert sorted(t.get_text() for t in ax.texts) == ["dry", "greedy", "min-p", "t0.8"]
     assert ax.get_ylabel().startswith("nll")

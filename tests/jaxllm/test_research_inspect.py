@@ -21,8 +21,9 @@ def _hf(model_dir, ids):
     import torch
     import transformers
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
-                                                          attn_implementation="eager")
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.float32, attn_implementation="eager"
+    )
     m.eval()
     kwargs = {"output_router_logits": True} if getattr(m.config, "num_experts", 0) else {}
     with torch.no_grad():

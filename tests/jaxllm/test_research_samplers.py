@@ -131,8 +131,15 @@ def slot_rows(params: list[SamplingParams], prompts: list[list[int]] | None = No
 def _sample(logits, s, positions):
     """The compiled sampler with no penalties' state (one compilation per batch shape)."""
     B = logits.shape[0]
-    return sample(logits, s, jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32), jnp.zeros((B,), jnp.int32),
-                  positions, jnp.bool_(False))
+    return sample(
+        logits,
+        s,
+        jnp.zeros((B, V), bool),
+        jnp.zeros((B, V), jnp.int32),
+        jnp.zeros((B,), jnp.int32),
+        positions,
+        jnp.bool_(False),
+    )
 
 
 def draw(logits: np.ndarray, params: list[SamplingParams], positions=None, prompts=None, processors=()):
@@ -172,8 +179,7 @@ SAMPLERS = {
     "epsilon": (SamplingParams(temperature=1.2, epsilon_cutoff=0.03), lambda x: np_epsilon(x, 0.03)),
     "eta": (SamplingParams(temperature=1.0, eta_cutoff=0.05), lambda x: np_eta(x, 0.05)),
     "top-n-sigma": (SamplingParams(temperature=1.5, top_n_sigma=1.0), lambda x: np_top_n_sigma(x, 1.0)),
-    "xtc always": (SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.08),
-                   lambda x: np_xtc(x, 0.08)),
+    "xtc always": (SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.08), lambda x: np_xtc(x, 0.08)),
     "mirostat": (SamplingParams(temperature=1.0, mirostat_tau=2.0), lambda x: np_mirostat_keep(x, 4.0)),
 }
 
@@ -189,8 +195,9 @@ def test_draws_follow_the_numpy_distribution(name):
     scaled = row / params.temperature
     keep = np_keep(scaled.astype(np.float64))
     assert 1 < keep.sum() < V, "a case where the filter both keeps and drops"
-    tokens = np.asarray(draw(np.repeat(row[None], n, 0), [params.__class__(**{**params.__dict__, "seed": i})
-                                                          for i in range(n)]).tokens)
+    tokens = np.asarray(
+        draw(np.repeat(row[None], n, 0), [params.__class__(**{**params.__dict__, "seed": i}) for i in range(n)]).tokens
+    )
     assert keep[tokens].all()
     expected = renormalised(scaled, keep)
     counts = np.bincount(tokens, minlength=V)[keep]
@@ -204,8 +211,9 @@ def test_xtc_applies_with_its_probability():
     p = SamplingParams(temperature=1.0, xtc_probability=0.3, xtc_threshold=0.08)
     removed = ~np_xtc(row.astype(np.float64), 0.08)
     assert removed.any()
-    tokens = np.asarray(draw(np.repeat(row[None], n, 0), [SamplingParams(**{**p.__dict__, "seed": i})
-                                                          for i in range(n)]).tokens)
+    tokens = np.asarray(
+        draw(np.repeat(row[None], n, 0), [SamplingParams(**{**p.__dict__, "seed": i}) for i in range(n)]).tokens
+    )
     # Removed tokens are drawn only in rows where the coin did not come up (70%), and then
     # with their whole-distribution probability.
     share = removed[tokens].mean()
@@ -224,8 +232,16 @@ def test_dry_penalties_match_the_reference_loop():
         for h in histories:
             padded = np.zeros(S, np.int32)
             padded[: len(h)] = h
-            got = np.asarray(jax.jit(sx.dry_penalty)(jnp.asarray(padded), jnp.int32(len(h)), jnp.float32(mult),
-                                            jnp.float32(base), jnp.int32(allowed), jnp.asarray(mask)))
+            got = np.asarray(
+                jax.jit(sx.dry_penalty)(
+                    jnp.asarray(padded),
+                    jnp.int32(len(h)),
+                    jnp.float32(mult),
+                    jnp.float32(base),
+                    jnp.int32(allowed),
+                    jnp.asarray(mask),
+                )
+            )
             want = np_dry(h, mult, base, allowed, set(breakers))
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
             assert want.any() or len(breakers), "every case without breakers penalises something"
@@ -268,6 +284,7 @@ def test_mirostat_mu_follows_its_update_rule():
 def test_user_processor_sees_its_row_context():
     """A processor forcing token `(length + n_generated) % V` and one banning even ids, in one
     batch with a plain row: each row gets its own function and context."""
+
     def force_position(logits, ctx):
         return jnp.where(jnp.arange(logits.shape[0]) == (ctx.length + ctx.n_generated) % V, 50.0, -50.0)
 
@@ -277,8 +294,9 @@ def test_user_processor_sees_its_row_context():
     procs = (force_position, ban_even)
     n = 64
     logits = np.repeat(fixed_logits(1, seed=2), n, 0)
-    params = [SamplingParams(temperature=1.0, seed=i, logits_processor=procs[i % 3] if i % 3 < 2 else None)
-              for i in range(n)]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, logits_processor=procs[i % 3] if i % 3 < 2 else None) for i in range(n)
+    ]
     positions = np.arange(n) + 5
     out = np.asarray(draw(logits, params, positions=positions, processors=procs).tokens)
     forced, banned, plain = out[0::3], out[1::3], out[2::3]
@@ -290,14 +308,23 @@ def test_user_processor_sees_its_row_context():
 def test_neutral_extra_rows_draw_what_the_plain_sampler_does():
     """Rows with every research sampler off draw exactly what a state without them draws."""
     logits = fixed_logits(16, seed=4) * 2
-    params = [SamplingParams(temperature=[0, 0.7, 1.0, 1.3][i % 4], top_p=0.9 if i % 2 else 1.0, seed=i)
-              for i in range(16)]
+    params = [
+        SamplingParams(temperature=[0, 0.7, 1.0, 1.3][i % 4], top_p=0.9 if i % 2 else 1.0, seed=i) for i in range(16)
+    ]
     with_extra = np.asarray(draw(logits, params).tokens)
     plain = slot_rows(params).replace(extra=None)
     B = len(params)
-    without = jax.jit(lambda lg, s: sample(lg, s, jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32),
-                                           jnp.zeros((B,), jnp.int32), jnp.full((B,), 3, jnp.int32),
-                                           jnp.bool_(False)))(jnp.asarray(logits), plain)
+    without = jax.jit(
+        lambda lg, s: sample(
+            lg,
+            s,
+            jnp.zeros((B, V), bool),
+            jnp.zeros((B, V), jnp.int32),
+            jnp.zeros((B,), jnp.int32),
+            jnp.full((B,), 3, jnp.int32),
+            jnp.bool_(False),
+        )
+    )(jnp.asarray(logits), plain)
     assert (with_extra == np.asarray(without.tokens)).all()
 
 
@@ -309,9 +336,20 @@ def test_select_branches_draw_what_cond_branches_do():
     params += [SamplingParams(temperature=0), SamplingParams(temperature=0.8, dry_multiplier=1.0, seed=3)]
     B = len(params)
     s = slot_rows(params, prompts=[[1, 2, 3, 1, 2]] * B)
-    outs = [jax.jit(lambda lg, s, b=b: sample(lg, s, jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32),
-                                              jnp.zeros((B,), jnp.int32), jnp.full((B,), 5, jnp.int32),
-                                              jnp.bool_(False), branches=b))(jnp.asarray(logits), s)
-            for b in ("cond", "select")]
+    outs = [
+        jax.jit(
+            lambda lg, s, b=b: sample(
+                lg,
+                s,
+                jnp.zeros((B, V), bool),
+                jnp.zeros((B, V), jnp.int32),
+                jnp.zeros((B,), jnp.int32),
+                jnp.full((B,), 5, jnp.int32),
+                jnp.bool_(False),
+                branches=b,
+            )
+        )(jnp.asarray(logits), s)
+        for b in ("cond", "select")
+    ]
     assert (np.asarray(outs[0].tokens) == np.asarray(outs[1].tokens)).all()
     np.testing.assert_allclose(np.asarray(outs[0].extra.mu), np.asarray(outs[1].extra.mu), rtol=1e-6)

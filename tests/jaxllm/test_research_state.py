@@ -17,12 +17,35 @@ from jaxllm.sampling import SamplingParams
 from jaxllm.sequence_state import SequenceState
 from jaxllm.tokenizer import Tokenizer
 
-TINY = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   ffn_dim=64, max_position=512)
-HYBRID = ModelConfig(family="qwen3_next", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                     ffn_dim=64, max_position=512, layer_types=("linear_attention", "full_attention"),
-                     linear_n_k_heads=2, linear_n_v_heads=4, linear_k_dim=8, linear_v_dim=8, conv_kernel=4,
-                     rotary_dim=4)
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    max_position=512,
+)
+HYBRID = ModelConfig(
+    family="qwen3_next",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    max_position=512,
+    layer_types=("linear_attention", "full_attention"),
+    linear_n_k_heads=2,
+    linear_n_v_heads=4,
+    linear_k_dim=8,
+    linear_v_dim=8,
+    conv_kernel=4,
+    rotary_dim=4,
+)
 IDS = [5, 17, 33, 2, 60, 61, 9, 40, 12, 77, 3, 8, 19, 23]
 P = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, ignore_eos=True)
 
@@ -48,8 +71,11 @@ def test_fork_continues_like_fresh_prefills(model):
     assert state.checkpoint is not None and int(state.checkpoint.length) == len(IDS) - 1
     params = [dataclasses.replace(P, seed=s) for s in (1, 2, 3)]
     # DRY reads the sequence's history: a forked row must see its whole prompt.
-    params.append(SamplingParams(temperature=0.8, dry_multiplier=2.0, dry_allowed_length=1, seed=4, max_tokens=10,
-                                 ignore_eos=True))
+    params.append(
+        SamplingParams(
+            temperature=0.8, dry_multiplier=2.0, dry_allowed_length=1, seed=4, max_tokens=10, ignore_eos=True
+        )
+    )
     outs = model.generate_from(state.fork(len(params)), params)
     got = [o.token_ids for o in outs]
     assert got == [fresh(model, IDS, p) for p in params]

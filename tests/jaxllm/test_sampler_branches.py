@@ -14,7 +14,13 @@ from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import (
-    MAX_TOP_LOGPROBS, SamplingParams, _filter_mask, _filter_rows, needs_full_sampler, sample, sampling_row,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    _filter_mask,
+    _filter_rows,
+    needs_full_sampler,
+    sample,
+    sampling_row,
 )
 
 V = 300
@@ -33,8 +39,17 @@ CASES = {
 }
 
 
-TINY = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   ffn_dim=64, max_position=256)
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    max_position=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +59,15 @@ def tiny_params():
 
 
 def _tiny_engine(params, branches: str) -> Engine:
-    config = EngineConfig(max_slots=4, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8, 16), min_ctx_pages=2,
-                          decode_steps_per_call=4, decode_widths=(4,))
+    config = EngineConfig(
+        max_slots=4,
+        kv_bytes=1 << 20,
+        max_seq_len=64,
+        chunk_buckets=(8, 16),
+        min_ctx_pages=2,
+        decode_steps_per_call=4,
+        decode_widths=(4,),
+    )
     return Engine(TINY, params, eos_ids=[0], config=config, options=RuntimeOptions(sampler_branches=branches))
 
 
@@ -73,14 +95,22 @@ def test_select_sampler_draws_what_the_branched_one_does(case):
     if constrained is not None:
         bits = rng.integers(0, 2**32, (B, -(-V // 32)), dtype=np.uint64).astype(np.uint32)
         kwargs = dict(token_mask=jnp.asarray(bits), constrained=jnp.asarray(constrained))
-    args = (logits, _rows(params), seen, out_counts, jnp.zeros((B,), jnp.int32), jnp.full((B,), 17, jnp.int32),
-            jnp.bool_(want_top))
+    args = (
+        logits,
+        _rows(params),
+        seen,
+        out_counts,
+        jnp.zeros((B,), jnp.int32),
+        jnp.full((B,), 17, jnp.int32),
+        jnp.bool_(want_top),
+    )
     # Without filters or top logprobs asked, the plain sampler (those parts compiled out)
     # must draw the same too.
     plain_ok = not want_top and not any(needs_full_sampler(p) for p in params)
     results = {
         (branches, full): jax.jit(lambda *a, b=branches, f=full: sample(*a, branches=b, full=f, **kwargs))(*args)
-        for branches in ("cond", "select") for full in ((True, False) if plain_ok else (True,))
+        for branches in ("cond", "select")
+        for full in ((True, False) if plain_ok else (True,))
     }
     branched, selected = results["cond", True], results["select", True]
     for other in results.values():
@@ -116,10 +146,32 @@ def test_engine_with_the_select_sampler_generates_the_same(tiny_params):
     filtered, penalised and top-logprob requests."""
     requests = [
         ([5, 9, 33, 2], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, top_logprobs=4)),
-        ([7, 7, 1], SamplingParams(temperature=0.8, top_k=5, top_p=0.5, seed=2, max_tokens=9, ignore_eos=True,
-                                   logprobs=True, top_logprobs=20)),
-        ([3] * 11, SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.2, frequency_penalty=0.4,
-                                  logit_bias={1: 5.0}, seed=9, max_tokens=9, ignore_eos=True)),
+        (
+            [7, 7, 1],
+            SamplingParams(
+                temperature=0.8,
+                top_k=5,
+                top_p=0.5,
+                seed=2,
+                max_tokens=9,
+                ignore_eos=True,
+                logprobs=True,
+                top_logprobs=20,
+            ),
+        ),
+        (
+            [3] * 11,
+            SamplingParams(
+                temperature=1.0,
+                min_p=0.2,
+                repetition_penalty=1.2,
+                frequency_penalty=0.4,
+                logit_bias={1: 5.0},
+                seed=9,
+                max_tokens=9,
+                ignore_eos=True,
+            ),
+        ),
     ]
     results = {}
     for branches in ("cond", "select"):

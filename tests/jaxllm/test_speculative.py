@@ -17,21 +17,55 @@ from jaxllm.sampling import SamplingParams
 from jaxllm.speculative import DraftControl, prompt_lookup
 
 DENSE = ModelConfig(
-    family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+    family="llama",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
     max_position=256,
 )
 HYBRID = ModelConfig(
-    family="qwen3_next", vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=0,
-    max_position=256, n_experts=4, n_experts_per_token=2, moe_ffn_dim=16, shared_expert_ffn_dim=24,
-    layer_types=("linear_attention", "full_attention") * 2, linear_n_k_heads=2, linear_n_v_heads=4,
-    linear_k_dim=8, linear_v_dim=8, conv_kernel=4, rotary_dim=4,
+    family="qwen3_next",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=0,
+    max_position=256,
+    n_experts=4,
+    n_experts_per_token=2,
+    moe_ffn_dim=16,
+    shared_expert_ffn_dim=24,
+    layer_types=("linear_attention", "full_attention") * 2,
+    linear_n_k_heads=2,
+    linear_n_v_heads=4,
+    linear_k_dim=8,
+    linear_v_dim=8,
+    conv_kernel=4,
+    rotary_dim=4,
 )
 PROMPTS = [[5, 9, 33, 2, 71, 5, 9, 33, 2, 71, 5, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7]]
 SAMPLERS = [
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
     SamplingParams(temperature=1.0, seed=7, max_tokens=24),  # eos (id 0) may stop a sequence mid-round
-    SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
-                   min_tokens=3, seed=3, max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=2),
+    SamplingParams(
+        temperature=0.8,
+        top_p=0.9,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        min_tokens=3,
+        seed=3,
+        max_tokens=24,
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=2,
+    ),
 ]
 
 
@@ -44,8 +78,16 @@ def model(request):
 
 def run(model, prompts, sampling, *, max_drafts=0, source=None, steps=1):
     cfg, params = model
-    config = EngineConfig(max_slots=4, kv_bytes=1 << 20, max_seq_len=96, chunk_buckets=(8, 32), min_ctx_pages=2,
-                          decode_widths=(1, 2), max_drafts=max_drafts, decode_steps_per_call=steps)
+    config = EngineConfig(
+        max_slots=4,
+        kv_bytes=1 << 20,
+        max_seq_len=96,
+        chunk_buckets=(8, 32),
+        min_ctx_pages=2,
+        decode_widths=(1, 2),
+        max_drafts=max_drafts,
+        decode_steps_per_call=steps,
+    )
     engine = Engine(cfg, params, eos_ids=[0], config=config, **({} if source is None else {"draft_source": source}))
     seqs = [engine.add(p, sampling) for p in prompts]
     rounds = 0
@@ -141,13 +183,24 @@ def test_no_compilation_after_warmup_with_drafts(model):
     cfg, params = model
     if cfg.is_hybrid:
         pytest.skip("the variant keys do not depend on the family; one warm-up keeps the suite's time")
-    config = EngineConfig(max_slots=3, kv_bytes=1 << 20, max_seq_len=96, chunk_buckets=(8, 32), min_ctx_pages=2,
-                          decode_widths=(1,), max_drafts=3, decode_steps_per_call=2, warmup_runs=True)
+    config = EngineConfig(
+        max_slots=3,
+        kv_bytes=1 << 20,
+        max_seq_len=96,
+        chunk_buckets=(8, 32),
+        min_ctx_pages=2,
+        decode_widths=(1,),
+        max_drafts=3,
+        decode_steps_per_call=2,
+        warmup_runs=True,
+    )
     engine = Engine(cfg, params, eos_ids=[0], config=config, draft_source=lambda tokens, k: tokens[-k:])
     engine.warmup()
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        lambda event, duration, **kw: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
     )
     try:
         seqs = [engine.add(p, s) for p, s in zip(PROMPTS, SAMPLERS)]

@@ -20,8 +20,15 @@ from jaxllm.state import StateLayout
 
 # SmolLM2-135M's shapes with 4 layers (tiny shapes do not show the copies).
 CFG = ModelConfig(
-    family="llama", vocab_size=49152, d_model=576, n_layers=4, n_heads=9, n_kv_heads=3, head_dim=64,
-    ffn_dim=1536, max_position=512,
+    family="llama",
+    vocab_size=49152,
+    d_model=576,
+    n_layers=4,
+    n_heads=9,
+    n_kv_heads=3,
+    head_dim=64,
+    ffn_dim=1536,
+    max_position=512,
 )
 OPTS = RuntimeOptions()
 # One slot: its one-token K/V write is a dynamic-update-slice, the case XLA copied the cache for.

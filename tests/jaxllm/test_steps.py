@@ -19,8 +19,15 @@ from jaxllm.sampling import SamplingParams, process_logits
 from jaxllm.state import empty_sampling
 
 CFG = ModelConfig(
-    family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-    ffn_dim=64, max_position=256,
+    family="llama",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    max_position=256,
 )
 
 
@@ -31,13 +38,32 @@ def params():
 
 
 def make_engine(
-    params, *, slots=4, steps_per_call=1, chunk_buckets=(8, 32), decode_widths=(1, 2), chunk_segments=1, cfg=CFG,
-    opts=RuntimeOptions(), chunk_decode_width=0, min_ctx_pages=2, warmup_runs=None, max_seq_len=128,
+    params,
+    *,
+    slots=4,
+    steps_per_call=1,
+    chunk_buckets=(8, 32),
+    decode_widths=(1, 2),
+    chunk_segments=1,
+    cfg=CFG,
+    opts=RuntimeOptions(),
+    chunk_decode_width=0,
+    min_ctx_pages=2,
+    warmup_runs=None,
+    max_seq_len=128,
 ) -> Engine:
-    config = EngineConfig(max_slots=slots, kv_bytes=1 << 20, max_seq_len=max_seq_len, chunk_buckets=chunk_buckets,
-                          min_ctx_pages=min_ctx_pages, decode_steps_per_call=steps_per_call, decode_widths=decode_widths,
-                          chunk_segments=chunk_segments, chunk_decode_width=chunk_decode_width,
-                          warmup_runs=warmup_runs)
+    config = EngineConfig(
+        max_slots=slots,
+        kv_bytes=1 << 20,
+        max_seq_len=max_seq_len,
+        chunk_buckets=chunk_buckets,
+        min_ctx_pages=min_ctx_pages,
+        decode_steps_per_call=steps_per_call,
+        decode_widths=decode_widths,
+        chunk_segments=chunk_segments,
+        chunk_decode_width=chunk_decode_width,
+        warmup_runs=warmup_runs,
+    )
     return Engine(cfg, params, eos_ids=[0], config=config, options=opts)
 
 
@@ -80,8 +106,10 @@ def test_top1_sampling_equals_greedy(params):
 def test_biased_out_tokens_are_never_drawn(params):
     engine = make_engine(params)
     banned = set(range(0, 96, 2))
-    seq = engine.add(PROMPT, SamplingParams(temperature=2.0, seed=3, max_tokens=40, ignore_eos=True,
-                                             logit_bias={t: -100.0 for t in banned}))
+    seq = engine.add(
+        PROMPT,
+        SamplingParams(temperature=2.0, seed=3, max_tokens=40, ignore_eos=True, logit_bias={t: -100.0 for t in banned}),
+    )
     run_until_done(engine, [seq])
     assert not banned & set(seq.generated)
 
@@ -110,12 +138,16 @@ def test_stop_tokens_and_min_tokens(params):
     run_until_done(engine, [free])
     stop_at = free.generated[3]
     first = free.generated.index(stop_at)
-    stopped = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,)))
+    stopped = engine.add(
+        PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,))
+    )
     run_until_done(engine, [stopped])
     assert stopped.generated == free.generated[: first + 1] and stopped.finish_reason == "stop"
     assert free.finish_reason == "length"
-    late = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2, ignore_eos=True,
-                                            stop_token_ids=(stop_at,)))
+    late = engine.add(
+        PROMPT,
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2, ignore_eos=True, stop_token_ids=(stop_at,)),
+    )
     run_until_done(engine, [late])
     assert stop_at not in late.generated[: first + 2]
 
@@ -132,14 +164,18 @@ def test_penalties_match_numpy_reference():
         frequency_penalty=jnp.asarray([0.3, 0.0, 1.0]),
         logit_bias=jnp.asarray(rng.normal(size=(B, V)).astype(np.float32)),
     )
-    ours = np.asarray(process_logits(jnp.asarray(logits), s, jnp.asarray(seen), jnp.asarray(counts), jnp.zeros((B,), jnp.int32)))
+    ours = np.asarray(
+        process_logits(jnp.asarray(logits), s, jnp.asarray(seen), jnp.asarray(counts), jnp.zeros((B,), jnp.int32))
+    )
     ref = logits.copy()
     for b in range(B):
         rp = float(s.repetition_penalty[b])
         for v in range(V):
             if seen[b, v]:
                 ref[b, v] = ref[b, v] / rp if ref[b, v] > 0 else ref[b, v] * rp
-            ref[b, v] -= float(s.frequency_penalty[b]) * counts[b, v] + float(s.presence_penalty[b]) * (counts[b, v] > 0)
+            ref[b, v] -= float(s.frequency_penalty[b]) * counts[b, v] + float(s.presence_penalty[b]) * (
+                counts[b, v] > 0
+            )
             ref[b, v] += float(s.logit_bias[b, v])
     np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
 
@@ -154,8 +190,13 @@ def test_no_recompilation_after_warmup(params):
     counts = []
     # The last engine compiles chunk rounds at its widest decode width only.
     for steps_per_call, chunk_segments, chunk_width in ((1, 1, 0), (3, 2, 0), (3, 2, 3)):
-        engine = make_engine(params, slots=3, steps_per_call=steps_per_call, chunk_segments=chunk_segments,
-                             chunk_decode_width=chunk_width)
+        engine = make_engine(
+            params,
+            slots=3,
+            steps_per_call=steps_per_call,
+            chunk_segments=chunk_segments,
+            chunk_decode_width=chunk_width,
+        )
         counts.append(engine.warmup())
         jax.monitoring.register_event_duration_secs_listener(listener)
         try:
@@ -164,10 +205,21 @@ def test_no_recompilation_after_warmup(params):
             live = []
             variants = [
                 SamplingParams(temperature=0, max_tokens=4),
-                SamplingParams(temperature=0.8, top_k=5, top_p=0.5, seed=2, max_tokens=6, logprobs=True, top_logprobs=20),
-                SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.2, presence_penalty=0.5,
-                               frequency_penalty=0.4, logit_bias={1: 5.0, 2: -3.0, 9: 1.0}, stop_token_ids=(3, 4, 5, 6),
-                               min_tokens=2, max_tokens=8, top_logprobs=3),
+                SamplingParams(
+                    temperature=0.8, top_k=5, top_p=0.5, seed=2, max_tokens=6, logprobs=True, top_logprobs=20
+                ),
+                SamplingParams(
+                    temperature=1.0,
+                    min_p=0.2,
+                    repetition_penalty=1.2,
+                    presence_penalty=0.5,
+                    frequency_penalty=0.4,
+                    logit_bias={1: 5.0, 2: -3.0, 9: 1.0},
+                    stop_token_ids=(3, 4, 5, 6),
+                    min_tokens=2,
+                    max_tokens=8,
+                    top_logprobs=3,
+                ),
                 SamplingParams(temperature=0, ignore_eos=True, max_tokens=3, stop_token_ids=(7,), top_logprobs=0),
             ]
             for length in [1, 2, 7, 8, 9, 31, 33, 60, 100, 120]:
@@ -190,8 +242,15 @@ def test_no_recompilation_after_warmup(params):
             run_until_done(engine, [donor])
             ckpt = engine.extract(donor, 20)
             engine.remove(donor)
-            twins = [engine.add(list(range(1, 40)), SamplingParams(temperature=1, seed=5, max_tokens=5), checkpoint=ckpt,
-                                cached_tokens=20) for _ in range(2)]
+            twins = [
+                engine.add(
+                    list(range(1, 40)),
+                    SamplingParams(temperature=1, seed=5, max_tokens=5),
+                    checkpoint=ckpt,
+                    cached_tokens=20,
+                )
+                for _ in range(2)
+            ]
             run_until_done(engine, twins)
             assert twins[0].generated == twins[1].generated
             assert compiles == [], f"{len(compiles)} compilations after warm-up"
@@ -210,7 +269,8 @@ def test_one_context_bucket_still_warms_every_checkpoint_size(params):
     engine.warmup()
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
     try:
         donor = engine.add(list(range(1, 70)), SamplingParams(temperature=0, max_tokens=2))
         run_until_done(engine, [donor])
@@ -269,8 +329,9 @@ def test_decode_kernels_in_the_step_give_the_same_tokens(params, scan_layers):
     laid_out = layout_params(params, scan_layers)
     prompts = [PROMPT, list(range(3, 40))]  # the second prefills in chunks while the first decodes
     # Top logprobs too: sampled tokens alone missed a norm kernel dividing by D + 1.
-    sampling = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True, top_logprobs=5)
-                for i in range(2)]
+    sampling = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True, top_logprobs=5) for i in range(2)
+    ]
 
     def run(**kernels: str) -> tuple[list[list[int]], np.ndarray]:
         opts = RuntimeOptions(scan_layers=scan_layers, **kernels)
@@ -324,8 +385,12 @@ def test_bad_inputs_have_clear_errors(params):
         with pytest.raises(ValueError, match=message):
             engine.add([1, 2], SamplingParams(**bad))
     assert engine.seqs == {} and len(engine.free_slots) == 4
-    for bad, message in [(dict(chunk_segments=0), "chunk_segments"), (dict(decode_steps_per_call=0), "decode_steps"),
-                         (dict(chunk_buckets=(128, 32)), "chunk_buckets"), (dict(chunk_buckets=()), "chunk_buckets")]:
+    for bad, message in [
+        (dict(chunk_segments=0), "chunk_segments"),
+        (dict(decode_steps_per_call=0), "decode_steps"),
+        (dict(chunk_buckets=(128, 32)), "chunk_buckets"),
+        (dict(chunk_buckets=()), "chunk_buckets"),
+    ]:
         with pytest.raises(ValueError, match=message):
             EngineConfig(**bad)
 
@@ -352,7 +417,9 @@ def test_token_masks_constrain_only_their_slot(params, steps_per_call):
     allowed = {11, 12, 13, 40}
     constraint = AllowList(allowed, CFG.vocab_size)
     free = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    seq = engine.add(PROMPT, SamplingParams(temperature=1.5, seed=9, max_tokens=10, ignore_eos=True), constraint=constraint)
+    seq = engine.add(
+        PROMPT, SamplingParams(temperature=1.5, seed=9, max_tokens=10, ignore_eos=True), constraint=constraint
+    )
     run_until_done(engine, [free, seq])
     assert set(seq.generated) <= allowed and constraint.drawn == seq.generated
     assert not set(free.generated) <= allowed
@@ -394,8 +461,9 @@ def test_pipelined_rounds_give_the_same_tokens(params, steps_per_call):
     constraint = Alternating({11, 12, 13}, {40, 41}, CFG.vocab_size)
     greedy = engine.add(PROMPT, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
     sampled = engine.add(PROMPT[:4], SAMPLED)
-    forced = engine.add(PROMPT, SamplingParams(temperature=1.5, seed=9, max_tokens=10, ignore_eos=True),
-                        constraint=constraint)
+    forced = engine.add(
+        PROMPT, SamplingParams(temperature=1.5, seed=9, max_tokens=10, ignore_eos=True), constraint=constraint
+    )
     run_pipelined(engine, [greedy, sampled, forced])
 
     assert len(greedy.generated) == 7 and len(sampled.generated) == 20 and len(forced.generated) == 10

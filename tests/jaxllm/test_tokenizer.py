@@ -151,9 +151,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def _fake_reader(
-    pre: str, tokens: list[str], types: list[int] | None = None, **extra: Any
-) -> Any:
+def _fake_reader(pre: str, tokens: list[str], types: list[int] | None = None, **extra: Any) -> Any:
     meta = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": pre,
@@ -163,9 +161,7 @@ def _fake_reader(
         "tokenizer.ggml.eos_token_id": 0,
         **{f"tokenizer.ggml.{k}": v for k, v in extra.items()},
     }
-    return SimpleNamespace(
-        fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in meta.items()}
-    )
+    return SimpleNamespace(fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in meta.items()})
 
 
 @pytest.mark.parametrize("pre,pattern", [("llama-bpe", _LLAMA3_HF), ("qwen2", _QWEN2_HF)])
@@ -182,9 +178,7 @@ def test_pretokenizer_matches_hf_regex(pre: str, pattern: str) -> None:
 def test_added_tokens_and_bos() -> None:
     b2u = _bytes_to_unicode()
     tokens = ["<eos>", "<s>", "<tool>", *b2u.values()]
-    reader = _fake_reader(
-        "qwen2", tokens, [3, 3, 4] + [1] * 256, bos_token_id=1, add_bos_token=True
-    )
+    reader = _fake_reader("qwen2", tokens, [3, 3, 4] + [1] * 256, bos_token_id=1, add_bos_token=True)
     t = Tokenizer.from_gguf(reader)
     assert t.bos_id == 1 and t.eos_ids == {0} and t.special_ids == {0, 1}
     a = tokens.index("a")
@@ -202,11 +196,15 @@ def test_unsupported_pre_tokenizer_is_rejected() -> None:
 # ------------------------------------------------------------------ HF directory
 def test_from_hf_dir(tok: Tokenizer, tmp_path: Path) -> None:
     tok.hf.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<|im_start|>"},
-        "eos_token": "<|im_end|>",
-        "chat_template": [{"name": "default", "template": "T"}, {"name": "tool_use", "template": "U"}],
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<|im_start|>"},
+                "eos_token": "<|im_end|>",
+                "chat_template": [{"name": "default", "template": "T"}, {"name": "tool_use", "template": "U"}],
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     hf_tok = Tokenizer.from_hf_dir(tmp_path)
     assert hf_tok.bos_id == 1 and hf_tok.eos_id == 2
@@ -268,8 +266,12 @@ def test_token_text_is_decoded_text_with_its_bytes(tok: Tokenizer) -> None:
 def test_save_hf_dir_round_trips(tok: Tokenizer, tmp_path: Path) -> None:
     tok.save_hf_dir(tmp_path)
     back = Tokenizer.from_hf_dir(tmp_path)
-    assert (back.bos_id, back.eos_id, back.eos_ids, back.special_ids) == (tok.bos_id, tok.eos_id, tok.eos_ids,
-                                                                         tok.special_ids)
+    assert (back.bos_id, back.eos_id, back.eos_ids, back.special_ids) == (
+        tok.bos_id,
+        tok.eos_id,
+        tok.eos_ids,
+        tok.special_ids,
+    )
     assert back.chat_template == tok.chat_template and back.vocab_size == tok.vocab_size
     for case in CASES:
         assert back.encode(case["text"]) == case["ids"]
@@ -280,8 +282,14 @@ def test_token_bytes_of_a_sentencepiece_vocabulary() -> None:
     by the tokenizer would lose its leading space)."""
     vocab = {"<unk>": 0, "▁sea": 1, "<0xE6>": 2, "<0x97>": 3, "ab": 4}
     hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    hf.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(),
-                                               tokenizers.decoders.Fuse(), tokenizers.decoders.Strip(" ", 1, 0)])
+    hf.decoder = tokenizers.decoders.Sequence(
+        [
+            tokenizers.decoders.Replace("▁", " "),
+            tokenizers.decoders.ByteFallback(),
+            tokenizers.decoders.Fuse(),
+            tokenizers.decoders.Strip(" ", 1, 0),
+        ]
+    )
     sp = Tokenizer(hf, bos_id=None, eos_id=None, eos_ids=(), special_ids=(), chat_template=None)
     assert [sp.token_bytes(i) for i in (1, 2, 3, 4)] == [b" sea", b"\xe6", b"\x97", b"ab"]
     assert sp.token_text(1) == " sea" and sp.token_text(2) == "bytes:\\xe6"

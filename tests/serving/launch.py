@@ -23,7 +23,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(module_args: list[str], tmp: Path, config_text: str, *, health_timeout: float = 300) -> Iterator[dict]:
+def running_server(
+    module_args: list[str], tmp: Path, config_text: str, *, health_timeout: float = 300
+) -> Iterator[dict]:
     """Runs `python -m <module_args> --port P --config C` until the block ends.
 
     Yields a dict with base (URL), port, config, log, tmp and proc; fails with the server's
@@ -32,12 +34,22 @@ def running_server(module_args: list[str], tmp: Path, config_text: str, *, healt
     config = tmp / "server.toml"
     config.write_text(config_text)
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache/jaxllm/xla"))}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache/jaxllm/xla")
+        ),
+    }
     log_path = tmp / "server.log"
     with open(log_path, "w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", *module_args, "--port", str(port), "--config", str(config)],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *module_args, "--port", str(port), "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + health_timeout
         try:

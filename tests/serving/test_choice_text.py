@@ -134,10 +134,16 @@ def test_streamed_text_that_a_final_decode_disagrees_with_is_a_500(tok):
 
 
 def test_usage_counts():
-    assert usage(10, 3, 4) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-                               "prompt_tokens_details": {"cached_tokens": 4}}
+    assert usage(10, 3, 4) == {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     assert usage(1, 5, 0, drafts=(6, 4))["completion_tokens_details"] == {
-        "accepted_prediction_tokens": 4, "rejected_prediction_tokens": 2}
+        "accepted_prediction_tokens": 4,
+        "rejected_prediction_tokens": 2,
+    }
 
 
 def test_partial_suffix_holdback_and_find_first():

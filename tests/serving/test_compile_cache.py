@@ -19,8 +19,14 @@ print(jax.jit(lambda x: x * 3 + 1)(2.0))
 
 
 def _run(arg: str, env: dict[str, str]) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", _PROGRAM, arg], capture_output=True, text=True, env=env, timeout=120,
-                         cwd=Path(__file__).parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, arg],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 

@@ -18,8 +18,17 @@ from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
 from serving.scheduler import EngineLike
 
-CFG = ModelConfig(family="llama", vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                  ffn_dim=64, max_position=256)
+CFG = ModelConfig(
+    family="llama",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    max_position=256,
+)
 
 
 def protocol_members(proto: type) -> set[str]:
@@ -30,14 +39,17 @@ def protocol_members(proto: type) -> set[str]:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    config = EngineConfig(max_slots=2, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8,), decode_widths=(2,),
-                          min_ctx_pages=2)
+    config = EngineConfig(
+        max_slots=2, kv_bytes=1 << 20, max_seq_len=64, chunk_buckets=(8,), decode_widths=(2,), min_ctx_pages=2
+    )
     return Engine(CFG, dummy_params(CFG, seed=1), eos_ids=[0], config=config)
 
 
 def test_scheduler_uses_only_what_engine_like_lists():
     source = Path(inspect.getfile(serving.scheduler)).read_text()
-    used = set(re.findall(r"self\.engine\.(\w+)", source)) | set(re.findall(r"getattr\(self\.engine, \"(\w+)\"", source))
+    used = set(re.findall(r"self\.engine\.(\w+)", source)) | set(
+        re.findall(r"getattr\(self\.engine, \"(\w+)\"", source)
+    )
     assert used, "the pattern no longer finds the scheduler's engine calls"
     assert used <= protocol_members(EngineLike), f"not in EngineLike: {sorted(used - protocol_members(EngineLike))}"
 
@@ -68,8 +80,11 @@ def test_launch_returns_its_plan(engine):
             handle = engine.launch(prefill_budget=8)
             plans.append(handle.plan)
             engine.collect(handle)
-        assert [p.prompts for p in plans] == [(PromptAdvance(seq.id, 0, 8, (4,), False),),
-                                              (PromptAdvance(seq.id, 8, 12, (10,), True),), ()]
+        assert [p.prompts for p in plans] == [
+            (PromptAdvance(seq.id, 0, 8, (4,), False),),
+            (PromptAdvance(seq.id, 8, 12, (10,), True),),
+            (),
+        ]
         assert [p.prefill_tokens for p in plans] == [8, 4, 0]
         assert [p.completes_prompts for p in plans] == [False, True, False]
         assert [p.decoding for p in plans] == [(), (), (seq.id,)]

@@ -19,11 +19,14 @@ from serving.settings import Defaults, Limits, Settings
 from serving.tool_calls import FORMATS, ToolCallDecoder, ToolContract
 from serving.validation import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, parse_json
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                         HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 MAX_CONTEXT = 256
-SETTINGS = Settings(limits=Limits(max_output_tokens=16, max_messages=16, max_tools=4, max_schema_bytes=4096),
-                    defaults=Defaults(max_tokens=8))
+SETTINGS = Settings(
+    limits=Limits(max_output_tokens=16, max_messages=16, max_tools=4, max_schema_bytes=4096),
+    defaults=Defaults(max_tokens=8),
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,33 +35,108 @@ def tok(smollm2_gguf_path) -> Tokenizer:
 
 
 # ---- JSON values: arbitrary, and near-valid request bodies --------------------------------
-_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-            | st.text(max_size=12))
-JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                             max_size=4), max_leaves=16)
-_FIELDS = (*FLOAT_FIELDS, *INT_FIELDS, *BOOL_FIELDS, "stop", "logit_bias", "stop_token_ids", "stream_options", "user",
-           "model", "tools", "tool_choice", "response_format", "logprobs", "messages", "prompt", "session", "drafts")
-_CONTENT = st.text(max_size=20) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}),
-                                           max_size=2) | JSON
-_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"]),
-                                  "content": _CONTENT},
-                                 optional={"name": JSON, "tool_call_id": JSON, "tool_calls": JSON})
-_TOOL = st.fixed_dictionaries({"type": st.just("function"),
-                               "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "get_weather", ""])},
-                                                                 optional={"parameters": JSON, "description": JSON})})
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+JSON = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=16,
+)
+_FIELDS = (
+    *FLOAT_FIELDS,
+    *INT_FIELDS,
+    *BOOL_FIELDS,
+    "stop",
+    "logit_bias",
+    "stop_token_ids",
+    "stream_options",
+    "user",
+    "model",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logprobs",
+    "messages",
+    "prompt",
+    "session",
+    "drafts",
+)
+_CONTENT = (
+    st.text(max_size=20)
+    | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), max_size=2)
+    | JSON
+)
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"]), "content": _CONTENT},
+    optional={"name": JSON, "tool_call_id": JSON, "tool_calls": JSON},
+)
+_TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "get_weather", ""])}, optional={"parameters": JSON, "description": JSON}
+        ),
+    }
+)
 # Values that sit on the edges of what each field accepts.
-_EDGE = (st.sampled_from([0, 1, -1, 2, 16, 17, 2**31, 2**63, 2**64, -(2**63) - 1, 0.0, 0.5, 1.0, 1e38, 3.5e38, -1e-9,
-                          True, False, None, "", "a", [], {}, [1], {"1": 2}, {"-5": 1e9}, {"x": 1}, ["\n"], ["a"] * 17,
-                          "auto", "none", "required", {"type": "json_object"}, {"type": "json_schema"},
-                          {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}},
-                          {"function": {"name": "f"}}, {"function": {"name": "g"}}])
-         | JSON)
+_EDGE = (
+    st.sampled_from(
+        [
+            0,
+            1,
+            -1,
+            2,
+            16,
+            17,
+            2**31,
+            2**63,
+            2**64,
+            -(2**63) - 1,
+            0.0,
+            0.5,
+            1.0,
+            1e38,
+            3.5e38,
+            -1e-9,
+            True,
+            False,
+            None,
+            "",
+            "a",
+            [],
+            {},
+            [1],
+            {"1": 2},
+            {"-5": 1e9},
+            {"x": 1},
+            ["\n"],
+            ["a"] * 17,
+            "auto",
+            "none",
+            "required",
+            {"type": "json_object"},
+            {"type": "json_schema"},
+            {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}},
+            {"function": {"name": "f"}},
+            {"function": {"name": "g"}},
+        ]
+    )
+    | JSON
+)
 
 
 @st.composite
 def bodies(draw, kind: str) -> dict:
-    base = ({"messages": draw(st.lists(_MESSAGE, min_size=0, max_size=3))} if kind == "chat"
-            else {"prompt": draw(st.text(max_size=16) | st.lists(st.integers(-2, 50_000), max_size=4) | JSON)})
+    base = (
+        {"messages": draw(st.lists(_MESSAGE, min_size=0, max_size=3))}
+        if kind == "chat"
+        else {"prompt": draw(st.text(max_size=16) | st.lists(st.integers(-2, 50_000), max_size=4) | JSON)}
+    )
     if kind == "chat" and draw(st.booleans()):
         base["tools"] = draw(st.lists(_TOOL, max_size=2))
     extra = draw(st.dictionaries(st.sampled_from(_FIELDS), _EDGE, max_size=5))
@@ -117,17 +195,48 @@ def test_streamed_pieces_concatenate_to_the_full_decode(tok, data, skip):
     # Ids of every kind: byte-fallback pieces that split UTF-8 characters, special tokens and
     # the rest of the vocabulary.
     specials = sorted(tok.eos_ids) + [0, 1, 2]
-    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1) | st.sampled_from(specials) | st.integers(0, 300),
-                             max_size=24))
+    ids = data.draw(
+        st.lists(st.integers(0, tok.vocab_size - 1) | st.sampled_from(specials) | st.integers(0, 300), max_size=24)
+    )
     detok = tok.detokenizer(skip)
     streamed = "".join(detok.feed(t) for t in ids) + detok.flush()
     assert streamed == tok.decode(ids, skip_special_tokens=skip)
 
 
 # ---- tool-call decoder ---------------------------------------------------------------------
-_TOOL_FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "<|python_tag|>", '{"name": "f"', ', "arguments": ',
-                   '"parameters"', "{", "}", "[", "]", "(", ")", '"', "'", "\\", ",", ";", "=", " ", "\n", "f(", "f",
-                   "nope", "null", "1e999", "-", "\ud7ff", "🙂", "\x00"]
+_TOOL_FRAGMENTS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool",
+    "_call>",
+    "<|python_tag|>",
+    '{"name": "f"',
+    ', "arguments": ',
+    '"parameters"',
+    "{",
+    "}",
+    "[",
+    "]",
+    "(",
+    ")",
+    '"',
+    "'",
+    "\\",
+    ",",
+    ";",
+    "=",
+    " ",
+    "\n",
+    "f(",
+    "f",
+    "nope",
+    "null",
+    "1e999",
+    "-",
+    "\ud7ff",
+    "🙂",
+    "\x00",
+]
 _ANY_TEXT = st.lists(st.sampled_from(_TOOL_FRAGMENTS) | st.text(max_size=6), max_size=16).map("".join)
 _CONTRACTS = st.builds(
     ToolContract,

@@ -45,8 +45,15 @@ MSGS = [{"role": "user", "content": "Where do I live?"}]
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hardening")
     (tmp / "keys").write_text(f"# a second client\n{KEY2}\n")
-    args = ["tests.serving.tiny_server", "--api-key", KEY, "--api-key-file", str(tmp / "keys"),
-            "--profile-dir", str(tmp / "trace")]
+    args = [
+        "tests.serving.tiny_server",
+        "--api-key",
+        KEY,
+        "--api-key-file",
+        str(tmp / "keys"),
+        "--profile-dir",
+        str(tmp / "trace"),
+    ]
     with running_server(args, tmp, CONFIG, health_timeout=240) as s:
         yield s
 
@@ -82,7 +89,12 @@ def _wait_idle(http, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = http.get("/v1/state").json()
-        if s["active_requests"] == 0 and s["queued_requests"] == 0 and s["free_slots"] == 4 or time.monotonic() > deadline:
+        if (
+            s["active_requests"] == 0
+            and s["queued_requests"] == 0
+            and s["free_slots"] == 4
+            or time.monotonic() > deadline
+        ):
             return s
         time.sleep(0.05)
 
@@ -96,52 +108,98 @@ def still_serves(server, client) -> None:
 
 
 def tool(parameters: dict) -> list[dict]:
-    return [{"type": "function", "function": {"name": "locate", "description": "Where someone lives",
-                                              "parameters": parameters}}]
+    return [
+        {
+            "type": "function",
+            "function": {"name": "locate", "description": "Where someone lives", "parameters": parameters},
+        }
+    ]
 
 
 FORCED = {"type": "function", "function": {"name": "locate"}}
-ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-           "additionalProperties": False}
+ADDRESS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 # A pointer that exists only in the server's wrapper object around the arguments, not in the schema.
-WRAPPER_REF = {"$defs": {"Address": ADDRESS}, "type": "object",
-               "properties": {"home": {"$ref": "#/properties/arguments/$defs/Address"}}, "required": ["home"],
-               "additionalProperties": False}
+WRAPPER_REF = {
+    "$defs": {"Address": ADDRESS},
+    "type": "object",
+    "properties": {"home": {"$ref": "#/properties/arguments/$defs/Address"}},
+    "required": ["home"],
+    "additionalProperties": False,
+}
 
 
 def test_a_request_failing_in_host_code_fails_alone(server, client, http):
-    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "tools": tool(WRAPPER_REF),
-                                                "tool_choice": FORCED, "max_tokens": 64, "temperature": 0})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": MSGS,
+            "tools": tool(WRAPPER_REF),
+            "tool_choice": FORCED,
+            "max_tokens": 64,
+            "temperature": 0,
+        },
+    )
     assert r.status_code in (400, 500), r.text
     assert r.json()["error"]["message"]
     still_serves(server, client)
 
 
 # pydantic's shape for a model with a nested model: the nested one in $defs, referenced from the root.
-PYDANTIC = {"$defs": {"Address": ADDRESS}, "type": "object",
-            "properties": {"name": {"type": "string", "maxLength": 12}, "home": {"$ref": "#/$defs/Address"}},
-            "required": ["name", "home"], "additionalProperties": False, "title": "Person"}
-RECURSIVE = {"$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}, "required": ["next"]}},
-             "$ref": "#/$defs/Node"}
+PYDANTIC = {
+    "$defs": {"Address": ADDRESS},
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "home": {"$ref": "#/$defs/Address"}},
+    "required": ["name", "home"],
+    "additionalProperties": False,
+    "title": "Person",
+}
+RECURSIVE = {
+    "$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}, "required": ["next"]}},
+    "$ref": "#/$defs/Node",
+}
 
 
 def test_refs_and_defs_work_for_forced_tools_and_response_format(server, client):
-    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=tool(PYDANTIC), tool_choice=FORCED,
-                                       max_tokens=120, temperature=0)
+    r = client.chat.completions.create(
+        model="tiny", messages=MSGS, tools=tool(PYDANTIC), tool_choice=FORCED, max_tokens=120, temperature=0
+    )
     (call,) = r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), PYDANTIC)
-    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=120, temperature=0, response_format={
-        "type": "json_schema", "json_schema": {"name": "person", "schema": PYDANTIC}})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=MSGS,
+        max_tokens=120,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PYDANTIC}},
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), PYDANTIC)
     still_serves(server, client)
 
 
-@pytest.mark.parametrize("schema", [RECURSIVE, {"type": "object", "properties": {"me": {"$ref": "#"}}},
-                                    WRAPPER_REF, {"properties": {"a": {"$ref": "https://example.com/a.json"}}}])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        RECURSIVE,
+        {"type": "object", "properties": {"me": {"$ref": "#"}}},
+        WRAPPER_REF,
+        {"properties": {"a": {"$ref": "https://example.com/a.json"}}},
+    ],
+)
 def test_schemas_the_server_cannot_enforce_are_400_naming_the_field(server, client, http, schema):
-    for body, param in [({"tools": tool(schema), "tool_choice": FORCED}, "tools"), ({"tools": tool(schema)}, "tools"),
-                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
-                         "response_format")]:
+    for body, param in [
+        ({"tools": tool(schema), "tool_choice": FORCED}, "tools"),
+        ({"tools": tool(schema)}, "tools"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            "response_format",
+        ),
+    ]:
         r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 8, **body})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
@@ -153,8 +211,9 @@ def test_a_sequence_failing_in_admission_gives_back_its_slot_and_pages(server, c
     # top_k beyond int32 fails after the engine took a slot; max_slots + 1 of them used to
     # leave every later request queued for good while /health said ok.
     for _ in range(5):
-        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "top_k": 2**40},
-                      timeout=20)
+        r = http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "top_k": 2**40}, timeout=20
+        )
         assert r.status_code in (200, 400, 500), r.text
     state = _wait_idle(http)
     assert state["free_slots"] == 4 and state["pages_in_use"] == 0 and state["stuck"] is None
@@ -167,25 +226,58 @@ def _chat(**fields) -> str:
 
 BIG = "1" + "0" * 400  # an integer past float range
 MALFORMED = [  # (path, raw JSON body, the param the 400 names)
-    ("/v1/chat/completions", '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
-     "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        "messages[0].content",
+    ),
     ("/v1/completions", '{"model": "tiny", "prompt": "a\\udc00", "max_tokens": 2}', "prompt"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "stop": ["\\ud800"], "max_tokens": 2}', "stop[0]"),
     ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": ' + BIG + "}", "temperature"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "logit_bias": {"5": ' + BIG + "}}", "logit_bias"),
+    (
+        "/v1/completions",
+        '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": ' + BIG + "}",
+        "temperature",
+    ),
+    (
+        "/v1/completions",
+        '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "logit_bias": {"5": ' + BIG + "}}",
+        "logit_bias",
+    ),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "top_k": ' + BIG + "}", "top_k"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": Infinity}', "temperature"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "top_p": NaN}', "top_p"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "presence_penalty": 1e400}', "presence_penalty"),
-    ("/v1/chat/completions", _chat(messages=MSGS + [{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
-     "messages[1].tool_calls[0].function"),
-    ("/v1/chat/completions", _chat(messages=MSGS + [{"role": "assistant", "tool_calls": "call"}]), "messages[1].tool_calls"),
-    ("/v1/chat/completions", _chat(messages=MSGS + [{"role": "assistant", "tool_calls": [7]}]), "messages[1].tool_calls[0]"),
+    (
+        "/v1/completions",
+        '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "presence_penalty": 1e400}',
+        "presence_penalty",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(messages=MSGS + [{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
+        "messages[1].tool_calls[0].function",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(messages=MSGS + [{"role": "assistant", "tool_calls": "call"}]),
+        "messages[1].tool_calls",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(messages=MSGS + [{"role": "assistant", "tool_calls": [7]}]),
+        "messages[1].tool_calls[0]",
+    ),
     ("/v1/chat/completions", _chat(tools=[{"function": {"name": ["a"]}}]), "tools[0].function.name"),
-    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "a", "description": 5}}]),
-     "tools[0].function.description"),
-    ("/v1/chat/completions", _chat(tools=[{"function": {"name": "a"}}], tool_choice={"function": "a"}), "tool_choice.function"),
+    (
+        "/v1/chat/completions",
+        _chat(tools=[{"type": "function", "function": {"name": "a", "description": 5}}]),
+        "tools[0].function.description",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(tools=[{"function": {"name": "a"}}], tool_choice={"function": "a"}),
+        "tool_choice.function",
+    ),
     ("/v1/chat/completions", _chat(tools=[{"function": {"name": "a"}}], tool_choice=5), "tool_choice"),
     ("/tokenize", "[1, 2]", None),
     ("/tokenize", '"text"', None),
@@ -193,7 +285,11 @@ MALFORMED = [  # (path, raw JSON body, the param the 400 names)
     ("/detokenize", '{"tokens": [true]}', "tokens"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": -1}', "temperature"),
     ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "min_tokens": 5}', "min_tokens"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "stop_token_ids": [99999999]}', "stop_token_ids"),
+    (
+        "/v1/completions",
+        '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "stop_token_ids": [99999999]}',
+        "stop_token_ids",
+    ),
 ]
 
 
@@ -201,8 +297,12 @@ MALFORMED = [  # (path, raw JSON body, the param the 400 names)
 def test_malformed_input_is_a_400_naming_the_field(http, path, raw, param):
     r = http.post(path, data=raw.encode("utf-8", "surrogatepass"), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
-    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
-                                 "param": param, "code": None}
+    assert r.json()["error"] == {
+        "message": r.json()["error"]["message"],
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }
     assert r.json()["error"]["message"]
 
 
@@ -228,15 +328,33 @@ def test_message_tool_and_schema_counts_are_capped_with_clear_400s(server, clien
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "tools": tools, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "max_tools" in r.text
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 40} for i in range(400)}}
-    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "d" * 40} for i in range(400)},
+    }
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": MSGS,
+            "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format" and "max_schema_bytes" in r.text
     still_serves(server, client)
 
 
-@pytest.mark.parametrize("line", ['active_requests = "8"', "active_requests = 0", "prefill_chunk_seconds = -1.0",
-                                  "max_output_tokens = true", "starvation_seconds = nan"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        'active_requests = "8"',
+        "active_requests = 0",
+        "prefill_chunk_seconds = -1.0",
+        "max_output_tokens = true",
+        "starvation_seconds = nan",
+    ],
+)
 def test_a_reload_with_a_wrong_value_is_refused_and_the_old_settings_stay(server, client, http, line):
     before = http.get("/v1/state").json()["settings_generation"]
     good = server["config"].read_text()
@@ -255,8 +373,13 @@ def test_a_reload_with_a_wrong_value_is_refused_and_the_old_settings_stay(server
 def test_settings_are_checked_the_same_at_start_up():
     from serving.settings import parse_settings
 
-    for table in ({"limits": {"active_requests": "8"}}, {"defaults": {"top_p": 0}}, {"engine": {"max_slots": "4"}},
-                  {"defaults": {"tool_call_format": "xml"}}, {"limits": []}):
+    for table in (
+        {"limits": {"active_requests": "8"}},
+        {"defaults": {"top_p": 0}},
+        {"engine": {"max_slots": "4"}},
+        {"defaults": {"tool_call_format": "xml"}},
+        {"limits": []},
+    ):
         with pytest.raises(ValueError):
             parse_settings(table)
     assert parse_settings({"limits": {"starvation_seconds": 3}}).limits.starvation_seconds == 3.0
@@ -279,15 +402,20 @@ def _raw(server, head: str, body: bytes = b"", *, timeout: float = 20) -> bytes:
 
 
 def test_a_wrong_key_is_refused_on_the_headers_before_the_body(server):
-    head = ("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer wrong\r\n"
-            "content-type: application/json\r\ncontent-length: 60000\r\n\r\n")
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer wrong\r\n"
+        "content-type: application/json\r\ncontent-length: 60000\r\n\r\n"
+    )
     got = _raw(server, head, b'{"messages": [')  # the rest of the body never comes
     assert got.startswith(b"HTTP/1.1 401"), got[:200]
 
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408(server, client):
-    head = ("POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + KEY +
-            "\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n")
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer "
+        + KEY
+        + "\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    )
     got = _raw(server, head, b'{"prompt": ')  # 11 of 100 bytes; body_seconds = 2 in this config
     assert got.startswith(b"HTTP/1.1 408") and b"body_seconds" in got, got[:300]
     still_serves(server, client)
@@ -313,15 +441,22 @@ def test_connections_past_the_cap_are_refused_with_503(server, client):
 
 def test_sessions_belong_to_their_key_and_are_listed_to_it_alone(server, client, http):
     other = Http(server["base"], KEY2)
-    first = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": True})
+    first = http.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": True}
+    )
     sid = first.headers["x-session-id"]
     assert other.get(f"/v1/sessions/{sid}").status_code == 404
     r = other.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": sid})
     assert r.status_code == 404 and r.json()["error"]["param"] == "session"
     assert other.s.delete(server["base"] + f"/v1/sessions/{sid}").status_code == 404
     # A long turn is running: /v1/state names its session to the owner only.
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go on."}], max_tokens=200,
-                                            stream=True, extra_body={"session": sid, "ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Go on."}],
+        max_tokens=200,
+        stream=True,
+        extra_body={"session": sid, "ignore_eos": True},
+    )
     it = iter(stream)
     next(it)
     try:
@@ -335,15 +470,18 @@ def test_sessions_belong_to_their_key_and_are_listed_to_it_alone(server, client,
         list(it)
     got = http.get(f"/v1/sessions/{sid}").json()
     assert got["turns"] == 2 and [m["role"] for m in got["messages"]] == ["user", "assistant"] * 2
-    assert other.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2}).status_code == 200
+    assert (
+        other.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2}).status_code == 200
+    )
 
 
 def test_a_rejected_request_creates_no_session(server, client, http):
     still_serves(server, client)  # a round ends with a fresh /v1/state
     created = _wait_idle(http)["sessions"]["created"]
     for extra in ({"temperature": -1}, {"n": 5}, {"max_tokens": 100000}, {"tools": [{"function": {"name": 5}}]}):
-        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": True,
-                                                    **extra})
+        r = http.post(
+            "/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, "session": True, **extra}
+        )
         assert r.status_code in (400, 503) and "x-session-id" not in r.headers, r.text
     still_serves(server, client)
     assert _wait_idle(http)["sessions"]["created"] == created
@@ -352,14 +490,19 @@ def test_a_rejected_request_creates_no_session(server, client, http):
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
     with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp_path, CONFIG, health_timeout=240) as s:
         client = openai.OpenAI(base_url=s["base"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
-        stream = client.completions.create(model="tiny", prompt="Once", max_tokens=250, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny", prompt="Once", max_tokens=250, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         it = iter(stream)
         text = next(it).choices[0].text
         s["proc"].send_signal(signal.SIGTERM)
         time.sleep(0.3)  # the server has seen the signal
-        r = requests.post(s["base"] + "/v1/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=10,
-                          json={"model": "tiny", "prompt": "late", "max_tokens": 2})
+        r = requests.post(
+            s["base"] + "/v1/completions",
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=10,
+            json={"model": "tiny", "prompt": "late", "max_tokens": 2},
+        )
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
         chunks = list(it)  # the in-flight stream runs to its end
         assert chunks[-1].choices[0].finish_reason == "length"

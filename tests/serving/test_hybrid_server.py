@@ -38,9 +38,14 @@ def _tiny_hybrid_dir(root):
     tok = Tokenizer.from_gguf(default_model_path())
     model_dir = make_tiny_hf_model("qwen3_5_moe_text", root, vocab_size=tok.vocab_size, noise=0.5)
     tok.hf.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": tok.chat_template, "eos_token": tok.hf.id_to_token(tok.eos_id),
-    }))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": tok.chat_template,
+                "eos_token": tok.hf.id_to_token(tok.eos_id),
+            }
+        )
+    )
     return model_dir
 
 
@@ -48,8 +53,18 @@ def _tiny_hybrid_dir(root):
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hybrid")
     model_dir = _tiny_hybrid_dir(tmp)
-    args = ["serving.cli", "serve", "--model", str(model_dir), "--api-key", KEY, "--host", "127.0.0.1",
-            "--served-model-name", "m"]
+    args = [
+        "serving.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--api-key",
+        KEY,
+        "--host",
+        "127.0.0.1",
+        "--served-model-name",
+        "m",
+    ]
     with running_server(args, tmp, CONFIG, health_timeout=300) as s:
         yield s
 
@@ -77,10 +92,20 @@ MSGS = [{"role": "user", "content": "Tell me a short story about a robot and a l
 
 
 def test_stream_equals_non_stream(client, server):
-    full = client.chat.completions.create(model="m", messages=MSGS, max_tokens=24, temperature=0,
-                                          extra_body={"ignore_eos": True})
-    chunks = list(client.chat.completions.create(model="m", messages=MSGS, max_tokens=24, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    full = client.chat.completions.create(
+        model="m", messages=MSGS, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=MSGS,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert full.usage.completion_tokens == 24 and full.choices[0].finish_reason == "length"
@@ -98,7 +123,13 @@ def test_metrics_count_the_distinct_experts_of_each_step(client, server):
 
     _wait_idle(server)
     before = histogram()
-    client.completions.create(model="m", prompt="Tell me a long story about one robot and seven lighthouses", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    client.completions.create(
+        model="m",
+        prompt="Tell me a long story about one robot and seven lighthouses",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     after = histogram()
     steps = after["jaxllm_moe_distinct_experts_count"] - before["jaxllm_moe_distinct_experts_count"]
     total = after["jaxllm_moe_distinct_experts_sum"] - before["jaxllm_moe_distinct_experts_sum"]
@@ -118,8 +149,9 @@ def test_exact_repeat_is_served_from_the_cache(client, server):
 
 
 def test_cancel_frees_the_recurrent_state(client, server):
-    stream = client.completions.create(model="m", prompt="Go on forever", max_tokens=120, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="m", prompt="Go on forever", max_tokens=120, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     it = iter(stream)
     next(it)
     busy = _state(server)
@@ -154,8 +186,13 @@ def test_drafts_leave_the_text_unchanged(client, server):
 def test_n_forks_the_recurrent_state_after_one_prefill(client, server):
     """n = 2 on a hybrid model: the prompt runs once and choice 1 starts from the recurrent
     state of prompt[:-1]; each choice i equals a single request seeded 5 + i."""
-    kw = dict(model="m", prompt="Name a colour, a fruit and a river:", max_tokens=8, temperature=1.0,
-              extra_body={"ignore_eos": True, "drafts": 0})
+    kw = dict(
+        model="m",
+        prompt="Name a colour, a fruit and a river:",
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"ignore_eos": True, "drafts": 0},
+    )
     before = _wait_idle(server)["requests"]["prefilled_tokens"]
     both = client.completions.create(n=2, seed=5, **kw)
     assert _wait_idle(server)["requests"]["prefilled_tokens"] - before == both.usage.prompt_tokens + 1

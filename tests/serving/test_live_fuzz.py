@@ -43,8 +43,12 @@ PROMPT = "The capital of France is"
 def server(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXLLM_DEBUG_KERNELS", "faults=on")
-        with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp_path_factory.mktemp("live_fuzz"),
-                            CONFIG, health_timeout=240) as s:
+        with running_server(
+            ["tests.serving.tiny_server", "--api-key", KEY],
+            tmp_path_factory.mktemp("live_fuzz"),
+            CONFIG,
+            health_timeout=240,
+        ) as s:
             yield s
 
 
@@ -86,8 +90,9 @@ def test_schemathesis_finds_no_5xx(server, greedy):
 
 def test_a_failing_round_fails_its_requests_and_the_server_goes_on(server, client, greedy):
     expected = _complete(client)
-    failed_before = requests.get(server["base"] + "/v1/state", headers={"authorization": f"Bearer {KEY}"},
-                                 timeout=30).json()["requests"]["failed_rounds"]
+    failed_before = requests.get(
+        server["base"] + "/v1/state", headers={"authorization": f"Bearer {KEY}"}, timeout=30
+    ).json()["requests"]["failed_rounds"]
 
     def normal() -> str | int:
         try:
@@ -112,8 +117,13 @@ def test_a_failing_round_fails_its_requests_and_the_server_goes_on(server, clien
 @pytest.mark.parametrize("stream", [False, True])
 def test_device_out_of_memory_is_a_503_for_its_requests(server, client, greedy, stream):
     with pytest.raises(openai.InternalServerError, match="out of memory") as e:
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                           stream=stream, user="jaxllm-fault:oom")
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            stream=stream,
+            user="jaxllm-fault:oom",
+        )
         if stream:
             list(r)
     assert e.value.status_code == 503
@@ -125,7 +135,16 @@ def test_device_out_of_memory_is_a_503_for_its_requests(server, client, greedy, 
 def test_soak_smoke(server):
     # benchmarks/soak.py for a few seconds (the real runs are in docs/benchmarks.md): every kind
     # of request and disconnect, then the idle checks. RSS is left to the long runs.
-    result = soak(server["base"], None, key=KEY, clients=4, minutes=0.15, warmup_seconds=2, max_tokens=8,
-                  max_slots=MAX_SLOTS, seed=3)
+    result = soak(
+        server["base"],
+        None,
+        key=KEY,
+        clients=4,
+        minutes=0.15,
+        warmup_seconds=2,
+        max_tokens=8,
+        max_slots=MAX_SLOTS,
+        seed=3,
+    )
     assert result["ok"], json.dumps(result)
     assert result["requests"] >= 8 and result["failed"] == 0, result

@@ -18,13 +18,20 @@ TOK = Tokenizer.synthetic(64)
 
 
 def completion(body: dict, settings: Settings = Settings()):
-    return parse_completion({"prompt": "t1 t2 t3", "max_tokens": 4, **body}, TOK, settings, max_context=256,
-                            model_name="m", vocab=64)
+    return parse_completion(
+        {"prompt": "t1 t2 t3", "max_tokens": 4, **body}, TOK, settings, max_context=256, model_name="m", vocab=64
+    )
 
 
 def chat(body: dict, settings: Settings = Settings()):
-    return parse_chat({"messages": [{"role": "user", "content": "t1"}], "max_tokens": 4, **body}, TOK, settings,
-                      max_context=256, model_name="m", vocab=64)
+    return parse_chat(
+        {"messages": [{"role": "user", "content": "t1"}], "max_tokens": 4, **body},
+        TOK,
+        settings,
+        max_context=256,
+        model_name="m",
+        vocab=64,
+    )
 
 
 def error_of(fn, body: dict) -> ApiError:
@@ -71,21 +78,25 @@ def test_echo_puts_the_prompt_before_each_choice():
     finish_only = fmt.chunks(Finish(1, "length", "", (), ()))[0]["choices"][0]["text"]  # a choice with no text
     assert (first, second, finish_only) == ("Say: hi", " there", "Say: ")
     body = Formatter("completion", "id", "m", include_usage=False, logprobs=False, echo="Say: ").response(
-        [Finish(0, "stop", "hi", (), ())], Done(usage={}))
+        [Finish(0, "stop", "hi", (), ())], Done(usage={})
+    )
     assert body["choices"][0]["text"] == "Say: hi"
 
 
-@pytest.mark.parametrize("fn, body, param", [
-    (completion, {"logprobs": 99}, "logprobs"),
-    (completion, {"temperature": -1}, "temperature"),
-    (completion, {"top_p": 0}, "top_p"),
-    (completion, {"min_tokens": 9}, "min_tokens"),
-    (chat, {"top_k": -5}, "top_k"),
-    (chat, {"max_completion_tokens": 4, "min_tokens": 9}, "min_tokens"),
-    (chat, {"presence_penalty": 3}, "presence_penalty"),
-    (chat, {"logit_bias": {"999": 1}}, "logit_bias"),
-    (chat, {"drafts": 2}, "drafts"),
-])
+@pytest.mark.parametrize(
+    "fn, body, param",
+    [
+        (completion, {"logprobs": 99}, "logprobs"),
+        (completion, {"temperature": -1}, "temperature"),
+        (completion, {"top_p": 0}, "top_p"),
+        (completion, {"min_tokens": 9}, "min_tokens"),
+        (chat, {"top_k": -5}, "top_k"),
+        (chat, {"max_completion_tokens": 4, "min_tokens": 9}, "min_tokens"),
+        (chat, {"presence_penalty": 3}, "presence_penalty"),
+        (chat, {"logit_bias": {"999": 1}}, "logit_bias"),
+        (chat, {"drafts": 2}, "drafts"),
+    ],
+)
 def test_sampler_errors_name_their_field(fn, body, param):
     e = error_of(fn, body)
     assert e.status == 400 and e.param == param, (e.message, e.param)
@@ -102,8 +113,9 @@ def test_logprob_bytes_follow_the_token():
 def test_warmup_progress_is_logged_by_tenths(caplog):
     from serving.app import Server
 
-    srv = Server(SettingsStore(Settings()), loader=lambda: None, model_name="m", api_keys=frozenset(), warmup=True,
-                 on_death=None)
+    srv = Server(
+        SettingsStore(Settings()), loader=lambda: None, model_name="m", api_keys=frozenset(), warmup=True, on_death=None
+    )
     with caplog.at_level("INFO", logger="jaxllm.serve"):
         for done in range(41):
             srv.warmup_progress(done, 40)

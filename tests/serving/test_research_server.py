@@ -45,7 +45,8 @@ class Restartable:
     def start(self) -> None:
         self._stack = contextlib.ExitStack()
         self.info = self._stack.enter_context(
-            running_server(["tests.serving.tiny_server", "--api-key", KEY], self.tmp, self.config, health_timeout=300))
+            running_server(["tests.serving.tiny_server", "--api-key", KEY], self.tmp, self.config, health_timeout=300)
+        )
 
     def stop(self) -> None:
         if self._stack is not None:
@@ -71,8 +72,9 @@ def client(server):
 
 def _chat(client, messages, **kw):
     extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
-    return client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=kw.pop("max_tokens", 8),
-                                                            extra_body=extra, **kw)
+    return client.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, max_tokens=kw.pop("max_tokens", 8), extra_body=extra, **kw
+    )
 
 
 TURNS = ["Tell me about robots.", "And then?", "Why?"]
@@ -80,8 +82,9 @@ TURNS = ["Tell me about robots.", "And then?", "Why?"]
 
 def _conversation(client, seed: int, turns=TURNS) -> tuple[str, list[str]]:
     """A session at temperature 1 whose seed is given on the first turn only."""
-    first = _chat(client, [{"role": "user", "content": turns[0]}], temperature=1.0, seed=seed,
-                  extra_body={"session": True})
+    first = _chat(
+        client, [{"role": "user", "content": turns[0]}], temperature=1.0, seed=seed, extra_body={"session": True}
+    )
     sid = first.headers["x-session-id"]
     texts = [first.parse().choices[0].message.content]
     for turn in turns[1:]:
@@ -104,8 +107,14 @@ TARGET = [SYSTEM, {"role": "user", "content": "Name some colours."}]
 
 
 def _target(client, **extra):
-    r = client.chat.completions.create(model="tiny", messages=TARGET, max_tokens=16, temperature=1.0, seed=1234,
-                                       extra_body={"ignore_eos": True, **extra})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=TARGET,
+        max_tokens=16,
+        temperature=1.0,
+        seed=1234,
+        extra_body={"ignore_eos": True, **extra},
+    )
     return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
 
 
@@ -118,16 +127,34 @@ def _neighbour(client, i: int, alpha_id: int):
     words = f"Question {i}: " + "why " * (i % 9)
     if i % 4 == 0:  # " alpha" over and over, and more of it: prompt lookup drafts it, verification keeps it
         words, bias = ALPHA * 20, {str(alpha_id): 100}
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": words}], max_tokens=12,
-                                       temperature=0.0, logit_bias=bias, extra_body={"ignore_eos": True})
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": words}],
+            max_tokens=12,
+            temperature=0.0,
+            logit_bias=bias,
+            extra_body={"ignore_eos": True},
+        )
         return
-    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, extra_body={"top_k": 5}),
-             dict(temperature=1.2, extra_body={"min_p": 0.1, "drafts": 0}), dict(temperature=1.0, extra_body={"xtc_probability": 0.5}),
-             dict(temperature=0.0, logprobs=True, top_logprobs=3), dict(temperature=0.7, extra_body={"typical_p": 0.9})]
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=1.0, extra_body={"top_k": 5}),
+        dict(temperature=1.2, extra_body={"min_p": 0.1, "drafts": 0}),
+        dict(temperature=1.0, extra_body={"xtc_probability": 0.5}),
+        dict(temperature=0.0, logprobs=True, top_logprobs=3),
+        dict(temperature=0.7, extra_body={"typical_p": 0.9}),
+    ]
     kw = kinds[i % len(kinds)]
     extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": words}], max_tokens=4 + i % 13,
-                                   seed=i, extra_body=extra, **kw)
+    client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": words}],
+        max_tokens=4 + i % 13,
+        seed=i,
+        extra_body=extra,
+        **kw,
+    )
 
 
 def test_same_seed_same_tokens_whatever_the_batch(server, client):
@@ -151,8 +178,9 @@ def test_same_seed_same_tokens_whatever_the_batch(server, client):
 
 # ---- the research samplers as request fields -------------------------------------------------
 def _ids(server, word: str) -> int:
-    ids = requests.post(server.info["base"] + "/tokenize", json={"prompt": word},
-                        headers={"authorization": f"Bearer {KEY}"}).json()["tokens"]
+    ids = requests.post(
+        server.info["base"] + "/tokenize", json={"prompt": word}, headers={"authorization": f"Bearer {KEY}"}
+    ).json()["tokens"]
     assert len(ids) == 1, ids
     return ids[0]
 
@@ -170,7 +198,9 @@ def test_xtc_removes_the_likeliest_tokens_as_numpy_says(server, client):
     words = [_ids(server, w) for w in (" red", " green", " blue")]
     bias = {str(t): 100 for t in words}
     for prompt in ("Colours:", "My favourite colour is", "Paint it"):
-        forced = [_complete(client, prompt, temperature=0.0, logprobs=1, logit_bias={str(t): 100}).logprobs for t in words]
+        forced = [
+            _complete(client, prompt, temperature=0.0, logprobs=1, logit_bias={str(t): 100}).logprobs for t in words
+        ]
         pieces = [f.tokens[0] for f in forced]  # the words as the server names tokens
         lps = np.array([f.token_logprobs[0] for f in forced])
         p = np.exp(lps / 5 - np.logaddexp.reduce(lps / 5))  # the three's share at temperature 5 (the rest: ~1e-4)
@@ -179,13 +209,15 @@ def test_xtc_removes_the_likeliest_tokens_as_numpy_says(server, client):
         sampled = dict(temperature=5.0, logit_bias=bias, logprobs=1)
         for seed in range(3):
             plain = _complete(client, prompt, seed=seed, **sampled)
-            xtc = _complete(client, prompt, seed=seed, extra_body={"xtc_probability": 1.0, "xtc_threshold": threshold},
-                            **sampled)
+            xtc = _complete(
+                client, prompt, seed=seed, extra_body={"xtc_probability": 1.0, "xtc_threshold": threshold}, **sampled
+            )
             assert xtc.logprobs.tokens[0] == want, (prompt, seed, p)
             assert plain.logprobs.tokens[0] in pieces
             # With fewer than two tokens over the threshold XTC leaves the draw alone (same noise).
-            off = _complete(client, prompt, seed=seed, extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.999},
-                            **sampled)
+            off = _complete(
+                client, prompt, seed=seed, extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.999}, **sampled
+            )
             assert off.logprobs.tokens == plain.logprobs.tokens
 
 
@@ -199,19 +231,24 @@ def test_dry_penalises_a_repeat_unless_a_breaker_cuts_it(server, client):
     dry = {"dry_multiplier": 100.0, "dry_base": 2.0, "dry_allowed_length": 2}
     plain = _complete(client, ALPHA * 12, **greedy).logprobs.tokens[0]
     penalised = _complete(client, ALPHA * 12, extra_body=dry, **greedy).logprobs.tokens[0]
-    broken = _complete(client, ALPHA * 12, extra_body={**dry, "dry_sequence_breakers": [ALPHA]}, **greedy).logprobs.tokens[0]
+    broken = _complete(
+        client, ALPHA * 12, extra_body={**dry, "dry_sequence_breakers": [ALPHA]}, **greedy
+    ).logprobs.tokens[0]
     assert penalised != plain and broken == plain
 
 
-@pytest.mark.parametrize("field,value,says", [
-    ("typical_p", 0, "typical_p must be in (0, 1]"),
-    ("xtc_threshold", 1.5, "xtc_threshold must be in [0, 1]"),
-    ("dry_allowed_length", "two", "'dry_allowed_length' must be an integer"),
-    ("dry_base", 0.5, "dry_base must be >= 1"),
-    ("mirostat_mode", 1, "'mirostat_mode' must be 0 (off) or 2"),
-    ("top_n_sigma", -1, "top_n_sigma must be >= 0"),
-    ("dry_sequence_breakers", "\n", "must be a list of up to 16 non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "field,value,says",
+    [
+        ("typical_p", 0, "typical_p must be in (0, 1]"),
+        ("xtc_threshold", 1.5, "xtc_threshold must be in [0, 1]"),
+        ("dry_allowed_length", "two", "'dry_allowed_length' must be an integer"),
+        ("dry_base", 0.5, "dry_base must be >= 1"),
+        ("mirostat_mode", 1, "'mirostat_mode' must be 0 (off) or 2"),
+        ("top_n_sigma", -1, "top_n_sigma must be >= 0"),
+        ("dry_sequence_breakers", "\n", "must be a list of up to 16 non-empty strings"),
+    ],
+)
 def test_research_sampler_fields_are_validated(client, field, value, says):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=TARGET, max_tokens=2, extra_body={field: value})
@@ -222,7 +259,9 @@ def test_research_sampler_fields_are_validated(client, field, value, says):
 # ---- sessions across a restart (last: it restarts the module's server) --------------------------
 def test_sessions_survive_a_graceful_restart(server):
     client = server.client()
-    first = _chat(client, [{"role": "user", "content": TURNS[0]}], temperature=1.0, seed=77, extra_body={"session": True})
+    first = _chat(
+        client, [{"role": "user", "content": TURNS[0]}], temperature=1.0, seed=77, extra_body={"session": True}
+    )
     sid = first.headers["x-session-id"]
     # The same conversation uninterrupted, in another session.
     _, whole = _conversation(client, 77, TURNS[:2])

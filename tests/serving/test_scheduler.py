@@ -69,8 +69,15 @@ class FakeEngine:
     def add(self, prompt, params, *, checkpoint=None, cached_tokens=0, stops=()):
         slot = self.free_slots.pop(0)
         pages = [self.free_pages.pop() for _ in range(self.pages_needed(len(prompt) + params.max_tokens))]
-        seq = FakeSeq(self.next_id, slot, list(prompt), params, pages, prefilled=cached_tokens if checkpoint else 0,
-                      extract_at=sorted({b for b in stops if 0 < b < len(prompt)}))
+        seq = FakeSeq(
+            self.next_id,
+            slot,
+            list(prompt),
+            params,
+            pages,
+            prefilled=cached_tokens if checkpoint else 0,
+            extract_at=sorted({b for b in stops if 0 < b < len(prompt)}),
+        )
         self.next_id += 1
         self.seqs[slot] = seq
         self.added.append(list(prompt))
@@ -114,8 +121,11 @@ class FakeEngine:
             start = s.prefilled
             s.prefilled += min(prefill_budget or 8, len(s.prompt) - start)
             ends = s.prefilled == len(s.prompt)
-            prompts.append(PromptAdvance(s.id, start, s.prefilled, tuple(b for b in s.extract_at if start < b <= s.prefilled),
-                                         ends))
+            prompts.append(
+                PromptAdvance(
+                    s.id, start, s.prefilled, tuple(b for b in s.extract_at if start < b <= s.prefilled), ends
+                )
+            )
             if ends:
                 drawing.append(s)
         plan = RoundPlan(prompts=tuple(prompts), decoding=tuple(s.id for s in decoding))
@@ -131,7 +141,9 @@ class FakeEngine:
             s.generated.append(t)
             reason = "length" if len(s.generated) >= s.params.max_tokens else None
             s.finish_reason = reason
-            events.append(SimpleNamespace(seq_id=s.id, tokens=[t], logprobs=[0.0], top_logprobs=[[]], finish_reason=reason))
+            events.append(
+                SimpleNamespace(seq_id=s.id, tokens=[t], logprobs=[0.0], top_logprobs=[[]], finish_reason=reason)
+            )
         return events
 
 
@@ -184,10 +196,23 @@ def make(limits: Limits, engine: FakeEngine | None = None):
 
 
 def job(sched, loop, name: str, prompt_len: int = 4, max_tokens: int = 3, reservation: int = 10, stop=()):
-    prepared = Prepared(kind="completion", model="m", prompt=list(range(10, 10 + prompt_len)), boundaries=[],
-                        params=[SamplingParams(max_tokens=max_tokens)], stop=stop)
-    j = Job(id=name, prepared=prepared, settings=sched.settings.current, output=Output(loop), reservation=reservation,
-            pages=-(-(prompt_len + max_tokens) // 4), arrived=sched.clock())
+    prepared = Prepared(
+        kind="completion",
+        model="m",
+        prompt=list(range(10, 10 + prompt_len)),
+        boundaries=[],
+        params=[SamplingParams(max_tokens=max_tokens)],
+        stop=stop,
+    )
+    j = Job(
+        id=name,
+        prepared=prepared,
+        settings=sched.settings.current,
+        output=Output(loop),
+        reservation=reservation,
+        pages=-(-(prompt_len + max_tokens) // 4),
+        arrived=sched.clock(),
+    )
     sched.submit(j)
     return j
 
@@ -441,8 +466,17 @@ def test_worker_death_is_never_silent(loop):
     engine = FakeEngine()
     died = []
     store = SettingsStore(Settings(limits=Limits()))
-    sched = Scheduler(engine, FakeTok(), store, Metrics(), SessionStore(60), bytes_per_page=1, vocab=1000,
-                      clock=Clock(), on_death=died.append)
+    sched = Scheduler(
+        engine,
+        FakeTok(),
+        store,
+        Metrics(),
+        SessionStore(60),
+        bytes_per_page=1,
+        vocab=1000,
+        clock=Clock(),
+        on_death=died.append,
+    )
 
     def broken_next_prefill():  # planning happens outside the round's error handling
         raise MemoryError("host out of memory")
@@ -468,8 +502,12 @@ def test_host_code_error_fails_only_its_request(loop):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
 
     good = FakeTok()
-    sched.tok = SimpleNamespace(eos_ids=good.eos_ids, decode=good.decode, token_text=good.token_text,
-                                detokenizer=lambda skip_special_tokens=True: Exploding())
+    sched.tok = SimpleNamespace(
+        eos_ids=good.eos_ids,
+        decode=good.decode,
+        token_text=good.token_text,
+        detokenizer=lambda skip_special_tokens=True: Exploding(),
+    )
     bad = job(sched, loop, "bad")
     sched.run_once()  # admitted with the exploding detokenizer
     sched.tok = good

@@ -30,7 +30,9 @@ chunk_buckets = [32, 128]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
-    with running_server(["tests.serving.tiny_server", "--api-key", KEY], tmp, CONFIG.format(active=8), health_timeout=240) as s:
+    with running_server(
+        ["tests.serving.tiny_server", "--api-key", KEY], tmp, CONFIG.format(active=8), health_timeout=240
+    ) as s:
         yield s
 
 
@@ -81,10 +83,20 @@ def _wait_idle(http, timeout=30.0):
 
 def test_stream_equals_non_stream_and_usage(client, http):
     # ignore_eos: the tiny random model runs to max_tokens, so every count below is known.
-    full = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=20, temperature=0,
-                                          extra_body={"ignore_eos": True})
-    chunks = list(client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=20, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    full = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MSGS,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -104,7 +116,9 @@ def test_completions_text_and_token_ids(client, http):
     assert len(b.choices[0].logprobs.token_logprobs) == b.usage.completion_tokens
     text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
     assert text == "Once upon a time"
-    streamed = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True))
+    streamed = list(
+        client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == a.choices[0].text
     assert sum(1 for c in streamed if c.choices and c.choices[0].finish_reason) == 1
 
@@ -122,8 +136,14 @@ def test_sixteen_concurrent_equal_solo(client):
 
 
 def test_request_mid_decode_streams_before_first_finishes(client):
-    long = client.completions.create(model="tiny", prompt="Count to a thousand:", max_tokens=250, temperature=0,
-                                     stream=True, extra_body={"ignore_eos": True})
+    long = client.completions.create(
+        model="tiny",
+        prompt="Count to a thousand:",
+        max_tokens=250,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     it = iter(long)
     next(it)
     short = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0, stream=True)
@@ -140,14 +160,21 @@ def test_shared_prefix_uses_cache_and_same_output(client):
     again = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].message.content == first.choices[0].message.content
-    other = client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": "And Spain?"}],
-                                           max_tokens=4, temperature=0)
+    other = client.chat.completions.create(
+        model="tiny", messages=[system, {"role": "user", "content": "And Spain?"}], max_tokens=4, temperature=0
+    )
     assert other.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_cancel_mid_stream_frees_reservation(client, http):
-    stream = client.completions.create(model="tiny", prompt="Go on forever", max_tokens=250, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt="Go on forever",
+        max_tokens=250,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     it = iter(stream)
     next(it)
     next(it)
@@ -158,8 +185,9 @@ def test_cancel_mid_stream_frees_reservation(client, http):
 
 
 def test_pages_in_use_equal_reservations(client, http):
-    stream = client.completions.create(model="tiny", prompt="Keep going", max_tokens=200, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny", prompt="Keep going", max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     it = iter(stream)
     next(it)
     s = _state(http)
@@ -184,13 +212,16 @@ def test_error_statuses_then_normal_request(server, client, http):
     _expect(401, lambda: bad_key.models.list())
     _expect(404, lambda: client.chat.completions.create(model="nope", messages=MSGS))
     _expect(404, lambda: client.chat.completions.create(model="tiny", messages=MSGS, extra_body={"session": "f" * 32}))
-    _expect(413, lambda: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 70000}]))
+    _expect(
+        413, lambda: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 70000}])
+    )
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "n": 9, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # more choices than slots: never
     r = http.post("/v1/completions", data=b"{not json")
     assert r.status_code == 400 and "error" in r.json()
-    ok = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=3, temperature=0,
-                                        extra_body={"ignore_eos": True})
+    ok = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 3
     metrics = http.get("/metrics").text
     for status in ("400", "401", "404", "413"):
@@ -201,8 +232,9 @@ def test_client_gone_before_admission_is_499(server, client, http):
     server["config"].write_text(CONFIG.format(active=1))
     gen = http.post("/v1/settings/reload").json()["generation"]
     try:
-        long = client.completions.create(model="tiny", prompt="Busy", max_tokens=250, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True})
+        long = client.completions.create(
+            model="tiny", prompt="Busy", max_tokens=250, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         it = iter(long)
         next(it)
         impatient = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=0.3)
@@ -220,15 +252,23 @@ def test_client_gone_before_admission_is_499(server, client, http):
 
 
 def test_stop_string_not_leaked(client):
-    base = client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    base = (
+        client.completions.create(
+            model="tiny", prompt="The weather today", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     assert len(base) >= 6, base  # 16 tokens of a random model: long enough to cut
     stop = base[3:6]
     cut = base[: base.find(stop)]
     r = client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=0, stop=[stop])
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
-    s = list(client.completions.create(model="tiny", prompt="The weather today", max_tokens=16, temperature=0,
-                                       stop=[stop], stream=True))
+    s = list(
+        client.completions.create(
+            model="tiny", prompt="The weather today", max_tokens=16, temperature=0, stop=[stop], stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in s if c.choices) == cut
 
 
@@ -249,13 +289,19 @@ def test_n_and_seed(client, http):
 
 
 def test_sessions(server, client, http):
-    first = client.chat.completions.with_raw_response.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0,
-                                                             extra_body={"session": True})
+    first = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=MSGS, max_tokens=4, temperature=0, extra_body={"session": True}
+    )
     sid = first.headers["x-session-id"]
     body = first.parse()
     assert len(sid) == 32
-    second = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "More."}], max_tokens=4,
-                                            temperature=0, extra_body={"session": sid})
+    second = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "More."}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"session": sid},
+    )
     assert second.usage.prompt_tokens > body.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     got = http.get(f"/v1/sessions/{sid}").json()
@@ -266,28 +312,51 @@ def test_sessions(server, client, http):
     assert http.get(f"/v1/sessions/{sid}").status_code == 404
 
 
-
 def test_research_samplers_need_the_extra_samplers_setting(client):
     """This server runs without [engine] extra_samplers: a request turning a research sampler
     on is a 400 naming the field; one leaving them at their neutral values runs."""
-    e = _expect(400, lambda: client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2,
-                                                             extra_body={"xtc_probability": 1.0}))
+    e = _expect(
+        400,
+        lambda: client.chat.completions.create(
+            model="tiny", messages=MSGS, max_tokens=2, extra_body={"xtc_probability": 1.0}
+        ),
+    )
     assert e.body["param"] == "xtc_probability" and "extra_samplers" in e.body["message"]
-    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, extra_body={"typical_p": 1.0, "ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=2, extra_body={"typical_p": 1.0, "ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length"
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"]}}}]
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def test_tools_round_trip_renders(client, smollm2_gguf_path):
-    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=8, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny", messages=MSGS, tools=TOOLS, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8  # no call: a random model
     msgs = MSGS + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0)
@@ -298,15 +367,25 @@ def test_tools_round_trip_renders(client, smollm2_gguf_path):
     from serving.settings import Settings
 
     tok = Tokenizer.from_gguf(smollm2_gguf_path)
-    prepared = parse_chat({"model": "tiny", "messages": msgs, "tools": TOOLS, "max_tokens": 8}, tok, Settings(),
-                          max_context=512, model_name="tiny", vocab=tok.vocab_size)
+    prepared = parse_chat(
+        {"model": "tiny", "messages": msgs, "tools": TOOLS, "max_tokens": 8},
+        tok,
+        Settings(),
+        max_context=512,
+        model_name="tiny",
+        vocab=tok.vocab_size,
+    )
     assert r.usage.prompt_tokens == len(prepared.prompt)
     rendered = tok.decode(prepared.prompt, skip_special_tokens=False)
     story = rendered.find("short story about a robot")
     call = rendered.find('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', story)
     result = rendered.find("<tool_response>\nsunny\n</tool_response>", call)
     assert -1 < story < call < result, rendered
-    s = list(client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0, stream=True))
+    s = list(
+        client.chat.completions.create(
+            model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert sum(1 for c in s if c.choices and c.choices[0].finish_reason) == 1
 
 
@@ -348,17 +427,20 @@ def test_newcomer_cases(server, client, http):
     whole = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True)
     plain = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0)
     assert whole.choices[0].text == "Once upon" + plain.choices[0].text
-    streamed = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True,
-                                         stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
     err = _expect(400, lambda: client.completions.create(model="tiny", prompt="x", max_tokens=2, echo=True, logprobs=1))
     assert err.body["param"] == "echo"
-    err = _expect(400, lambda: client.completions.create(model="tiny", prompt="x", max_tokens=2,
-                                                         extra_body={"session": True}))
+    err = _expect(
+        400, lambda: client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"session": True})
+    )
     assert err.body["param"] == "session"
 
-    out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=0, logprobs=True,
-                                         top_logprobs=3)
+    out = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     items = out.choices[0].logprobs.content
     assert items and all("Ġ" not in i.token for i in items)
     for i in items + [t for i in items for t in i.top_logprobs]:

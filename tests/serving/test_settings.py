@@ -38,8 +38,9 @@ def test_gpu_shapes_scale_with_slots():
 def test_budget_zero_holds_every_slot_at_full_context():
     cfg = load_config_json(ROOT / "configs" / "smollm2-135m.json")
     opts = RuntimeOptions()
-    e = derive_engine(slots=4, context=1000, kv_mib=0, backend="cpu",
-                      kv_bytes_per_position=kv_bytes_per_page(cfg, 1, opts))
+    e = derive_engine(
+        slots=4, context=1000, kv_mib=0, backend="cpu", kv_bytes_per_position=kv_bytes_per_page(cfg, 1, opts)
+    )
     layout = layout_for_budget(cfg, opts, kv_bytes=e.kv_bytes, max_slots=e.max_slots, max_seq_len=e.max_seq_len)
     assert layout.max_pages_per_seq == 63  # ceil(1000 / 16)
     assert layout.n_pages - 1 >= 4 * layout.max_pages_per_seq  # every slot full, trash page aside
@@ -53,7 +54,9 @@ def test_advanced_overrides_and_older_spellings():
     s = parse_settings({"engine": {"slots": 4, "backend": "cpu", "decode_steps_per_call": 2, "chunk_buckets": [8, 16]}})
     e = s.engine.engine_config()
     assert (e.max_slots, e.decode_steps_per_call, e.chunk_buckets) == (4, 2, (8, 16))
-    old = parse_settings({"engine": {"max_slots": 3, "max_seq_len": 512, "kv_mib": 16}}).engine.engine_config(backend="cpu")
+    old = parse_settings({"engine": {"max_slots": 3, "max_seq_len": 512, "kv_mib": 16}}).engine.engine_config(
+        backend="cpu"
+    )
     assert (old.max_slots, old.max_seq_len) == (3, 512)
     with pytest.raises(ValueError, match="backend"):
         parse_settings({"engine": {"backend": "tpu"}})

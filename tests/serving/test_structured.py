@@ -10,8 +10,15 @@ from serving.protocol import ApiError, parse_chat
 from serving.settings import Settings
 
 MSGS = [{"role": "user", "content": "hi"}]
-TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
-    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +27,14 @@ def tok(smollm2_gguf_path) -> Tokenizer:
 
 
 def prepare(tok, model_name="smollm2", **body):
-    return parse_chat({"messages": MSGS, "max_tokens": 16, **body}, tok, Settings(), max_context=512,
-                      model_name=model_name, vocab=tok.vocab_size)
+    return parse_chat(
+        {"messages": MSGS, "max_tokens": 16, **body},
+        tok,
+        Settings(),
+        max_context=512,
+        model_name=model_name,
+        vocab=tok.vocab_size,
+    )
 
 
 def kinds(p) -> list[str]:
@@ -43,19 +56,25 @@ def test_one_independent_constraint_per_choice(tok):
 
 def test_schema_and_forced_tools(tok):
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
-    assert kinds(prepare(tok, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})) == [
-        "json_schema"]
+    assert kinds(
+        prepare(tok, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    ) == ["json_schema"]
     assert kinds(prepare(tok, tools=TOOLS, tool_choice="required")) == ["tool_call"]
-    assert kinds(prepare(tok, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}})) == ["tool_call"]
+    assert kinds(prepare(tok, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}})) == [
+        "tool_call"
+    ]
     # Only the Hermes format has a grammar; llama3-style models keep the tolerant decoder.
     assert prepare(tok, model_name="llama3.1-8b", tools=TOOLS, tool_choice="required").constraints == ()
 
 
-@pytest.mark.parametrize("fmt, match", [
-    ({"type": "yaml"}, "not supported"),
-    ({"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}, "nonsense"),
-    ({"type": "json_schema", "json_schema": "nope"}, "schema"),
-])
+@pytest.mark.parametrize(
+    "fmt, match",
+    [
+        ({"type": "yaml"}, "not supported"),
+        ({"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}, "nonsense"),
+        ({"type": "json_schema", "json_schema": "nope"}, "schema"),
+    ],
+)
 def test_bad_response_format_is_400(tok, fmt, match):
     with pytest.raises(ApiError, match=match) as e:
         prepare(tok, response_format=fmt)

@@ -133,7 +133,7 @@ def test_hermes_cut_inside_the_marker_is_content():
 
 
 def test_hermes_strings_with_brackets_and_markers_do_not_end_the_call():
-    args = {"html": '<a href="x">}{</a>', "q": "</tool_call> <tool_call> \\\"", "nested": {"l": [1, {"k": "]"}]}}
+    args = {"html": '<a href="x">}{</a>', "q": '</tool_call> <tool_call> \\"', "nested": {"l": [1, {"k": "]"}]}}
     run = decode(["pre ", call("f", args)[:20], call("f", args)[20:], " post"])
     assert run.calls == [("f", args)]
     assert run.content == "pre post"
@@ -194,7 +194,7 @@ def test_hermes_string_encoded_arguments_and_parameters_alias():
     "broken",
     [
         '<tool_call>{"name": "f", "arguments": {}}}</tool_call>',  # extra brace
-        '<tool_call><function=f><parameter=a>1</parameter></function></tool_call>',
+        "<tool_call><function=f><parameter=a>1</parameter></function></tool_call>",
         '<tool_call>{"name": "f", "arguments": {"a": 1,}}</tool_call>',  # trailing comma
         '<tool_call>{"name": "f", "arguments": {</tool_call>',  # unbalanced: `<` outside a string ends it
     ],
@@ -395,7 +395,9 @@ def test_rendered_tool_calls_decode_back_to_the_same_calls():
 
 
 def test_render_tool_result():
-    assert render_tool_result_as_text("f", "22C") == '<tool_response>\n{"name": "f", "content": "22C"}\n</tool_response>'
+    assert (
+        render_tool_result_as_text("f", "22C") == '<tool_response>\n{"name": "f", "content": "22C"}\n</tool_response>'
+    )
     assert render_tool_result_as_text(None, "22C") == "<tool_response>\n22C\n</tool_response>"
 
 
@@ -403,13 +405,40 @@ def test_render_tool_result():
 
 # Fragments that hit every marker, bracket, quote and escape boundary.
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "<tool", "_call>", "<|python_tag|>", "<|py",
-    '{"name": "get_weather", "arguments": {"city": "P<a>ris"}}', '{"name": "f"}',
-    '{"name": "f", "parameters": {"x": "}{"}}', '{"name": "nope", "arguments": {}}',
-    "get_weather(city='x')", "f(a=[1, {'b': ')'}])", "nope(a=1)",
-    "{", "}", "[", "]", "(", ")", '"', "'", "\\", ",", ";", ":", " ", "\n", "Hi", "é🙂", "<", ">", "null",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool",
+    "_call>",
+    "<|python_tag|>",
+    "<|py",
+    '{"name": "get_weather", "arguments": {"city": "P<a>ris"}}',
+    '{"name": "f"}',
+    '{"name": "f", "parameters": {"x": "}{"}}',
+    '{"name": "nope", "arguments": {}}',
+    "get_weather(city='x')",
+    "f(a=[1, {'b': ')'}])",
+    "nope(a=1)",
+    "{",
+    "}",
+    "[",
+    "]",
+    "(",
+    ")",
+    '"',
+    "'",
+    "\\",
+    ",",
+    ";",
+    ":",
+    " ",
+    "\n",
+    "Hi",
+    "é🙂",
+    "<",
+    ">",
+    "null",
 ]
-TEXT = st.text(alphabet="ab <>{}[]\"\\\n🙂", max_size=8)
+TEXT = st.text(alphabet='ab <>{}[]"\\\n🙂', max_size=8)
 
 
 @st.composite

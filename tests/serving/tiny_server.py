@@ -1,6 +1,6 @@
 """Starts `jaxllm serve` on a tiny random-weight llama with the SmolLM2 tokenizer (tests).
 
-    python -m tests.serving.tiny_server --port P --config C [--api-key K] [--api-key-file F] [--profile-dir D]
+python -m tests.serving.tiny_server --port P --config C [--api-key K] [--api-key-file F] [--profile-dir D]
 """
 
 from __future__ import annotations
@@ -32,8 +32,16 @@ def main() -> int:
     p.add_argument("--api-key-file", default=None)
     p.add_argument("--profile-dir", default=None)
     a = p.parse_args()
-    return serve(tiny_model, model_name="tiny", host="127.0.0.1", port=a.port, config=a.config, api_key=a.api_key,
-                 profile_dir=a.profile_dir, api_key_file=a.api_key_file)
+    return serve(
+        tiny_model,
+        model_name="tiny",
+        host="127.0.0.1",
+        port=a.port,
+        config=a.config,
+        api_key=a.api_key,
+        profile_dir=a.profile_dir,
+        api_key_file=a.api_key_file,
+    )
 
 
 if __name__ == "__main__":
