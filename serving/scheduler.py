@@ -41,9 +41,18 @@ from serving.choice_text import ChoiceEnd, ChoiceText, ChoiceTextError, Tokenize
 from serving.metrics import Metrics
 from serving.output import Done, Error
 from serving.pacer import ChunkPacer
+from serving.reporting import (
+    PoolUse,
+    RequestView,
+    WorkerView,
+    draft_totals,
+    publish,
+    report,
+    stuck_reason,
+    tool_call_diagnostics,
+)
 from serving.sessions import SessionStore
 from serving.settings import SettingsStore
-from serving.tool_calls import FallbackReason
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -153,6 +162,24 @@ class Active:
     @property
     def generated_tokens(self) -> int:
         return sum(len(c.text.generated) for c in self.choices)
+
+    def view(self) -> RequestView:
+        """What /v1/state and the report line show of it."""
+        p = self.job.prepared
+        return RequestView(
+            id=self.job.id,
+            phase=self.phase,
+            session=self.job.session_id,
+            n=p.n,
+            generation=self.job.settings.generation,
+            reserved_state_bytes=self.job.reservation,
+            prompt_tokens=len(p.prompt),
+            cached_tokens=self.cached_tokens,
+            generated_tokens=self.generated_tokens,
+            prefill_seconds=self.prefill_seconds,
+            decode_seconds=self.decode_seconds,
+            context=max((c.seq.length if c.seq is not None else 0) for c in self.choices),
+        )
 
 
 class Scheduler:
@@ -564,36 +591,14 @@ class Scheduler:
             return
         for frame in c.end.frames:
             a.job.output.add(frame)
-        d = c.end.diagnostics
-        if d is None:
-            return
-        calls = len(c.end.tool_calls)
-        if d.fallback_reason != FallbackReason.NONE:
-            self.metrics.tool_fallbacks.labels(reason=d.fallback_reason.value).inc()
-            log.info("serve %s: tool calls %dx (recovered: %s)", a.job.id, calls, d.fallback_reason.value)
-        if d.schema_mismatch_arguments or d.empty_arguments_omitted:
-            self.metrics.tool_schema_mismatches.inc(d.schema_mismatch_arguments)
-            self.metrics.tool_empty_arguments.inc(d.empty_arguments_omitted)
-            log.info(
-                "serve %s: tool calls %dx (%d schema mismatches, %d empty arguments omitted)",
-                a.job.id,
-                calls,
-                d.schema_mismatch_arguments,
-                d.empty_arguments_omitted,
-            )
+        tool_call_diagnostics(self.metrics, a.job.id, c.end)
 
     def _complete(self, a: Active) -> None:
         p = a.job.prepared
         completion = a.generated_tokens
-        drafting = [c.seq.drafting for c in a.choices if c.seq is not None and getattr(c.seq, "drafting", None)]
-        drafts = None
-        if drafting:
-            proposed, accepted = sum(d.proposed for d in drafting), sum(d.accepted for d in drafting)
-            drafts = (proposed, accepted)
-            if proposed:
-                log.info(
-                    "serve %s: drafts %d, accepted %d (%.0f%%)", a.job.id, proposed, accepted, 100 * accepted / proposed
-                )
+        drafts = draft_totals(
+            a.job.id, (c.seq.drafting for c in a.choices if c.seq is not None and getattr(c.seq, "drafting", None))
+        )
         if a.job.session_id is not None:
             end = a.choices[0].end
             reply: dict[str, Any] = {"role": "assistant", "content": end.content or (None if end.tool_calls else "")}
@@ -607,7 +612,7 @@ class Scheduler:
                 seed=p.params[0].seed,
             )
         a.job.output.add(Done(usage(len(p.prompt), completion, a.cached_tokens, drafts), a.job.session_id))
-        self._report(a)  # before release: KV fullness includes this request
+        report(a.view(), self._pool_use(including=a))
         self._release(a)
         self.metrics.count_outcome("finished")
 
@@ -629,42 +634,6 @@ class Scheduler:
             self._release(a)
         self.metrics.count_outcome("failed")
 
-    def _report(self, a: Active) -> None:
-        p = a.job.prepared
-        prefill = len(p.prompt) - a.cached_tokens
-        decode = a.generated_tokens
-        layout = self.engine.layout
-        used = layout.n_pages - 1 - len(self.engine.free_pages)
-        ctx = max((c.seq.length if c.seq is not None else 0) for c in a.choices)
-        log.info(
-            "serve %s: prefill %d tok (%d cached) in %.2fs (%s tok/s) | decode %d tok in %.2fs (%s tok/s) "
-            "| ctx %d/%d (%.0f%% full) | kv cache %d/%d pages (%.0f%% full)",
-            a.job.id,
-            prefill,
-            a.cached_tokens,
-            a.prefill_seconds,
-            _rate(prefill, a.prefill_seconds),
-            decode,
-            a.decode_seconds,
-            _rate(decode, a.decode_seconds),
-            ctx,
-            self.engine.max_context,
-            100 * ctx / max(self.engine.max_context, 1),
-            used,
-            layout.n_pages - 1,
-            100 * used / max(layout.n_pages - 1, 1),
-        )
-        if self.pool.recurrent_bytes:
-            live = len(self.engine.seqs)
-            log.info(
-                "serve %s: recurrent state %d/%d slots (%.1f MiB, %.0f%% full)",
-                a.job.id,
-                live,
-                layout.max_slots,
-                live * self.pool.recurrent_bytes / 2**20,
-                100 * live / max(layout.max_slots, 1),
-            )
-
     # ---- housekeeping and the published snapshot ---------------------------------------
     def _housekeeping(self) -> None:
         s = self.settings.current
@@ -677,120 +646,54 @@ class Scheduler:
         self.cache.expire()
         self.sessions.expire()
 
-    def _stuck_reason(self) -> str | None:
-        """Slots or pages held while no request runs: they leaked, and what leaked never comes back."""
-        if self.active or self._in_flight is not None:
-            return None
+    def _pool_use(self, including: Active | None = None) -> PoolUse:
+        """The engine's slots and pages in use; with `including`, as if that request's finished
+        choices (their sequences already given back to the engine) still held theirs."""
         layout = self.engine.layout
-        held_slots = layout.max_slots - len(self.engine.free_slots)
-        held_pages = layout.n_pages - 1 - len(self.engine.free_pages)
-        if held_slots or held_pages or self.engine.seqs:
-            return f"{held_slots} of {layout.max_slots} sequence slots and {held_pages} KV pages are held by no request"
-        return None
+        live = {id(s) for s in self.engine.seqs.values()}
+        gone = [c.seq for c in (including.choices if including else ()) if c.seq is not None and id(c.seq) not in live]
+        return PoolUse(
+            max_slots=layout.max_slots,
+            free_slots=max(0, len(self.engine.free_slots) - len(gone)),
+            usable_pages=layout.n_pages - 1,
+            free_pages=max(0, len(self.engine.free_pages) - sum(len(seq.pages) for seq in gone)),
+            live_sequences=min(layout.max_slots, len(self.engine.seqs) + len(gone)),
+            recurrent_bytes=self.pool.recurrent_bytes,
+            max_context=self.engine.max_context,
+        )
 
     def publish(self) -> None:
-        """Swaps in a fresh host snapshot for /v1/state and the gauges."""
-        stuck = self._stuck_reason()
+        """Swaps in a fresh host snapshot for /v1/state and the gauges (`reporting.publish`)."""
+        pool = self._pool_use()
+        stuck = stuck_reason(pool, busy=bool(self.active) or self._in_flight is not None)
         if stuck != self.stuck:
             if stuck:
                 log.critical("the worker can no longer admit everything: %s", stuck)
             self.stuck = stuck
-        layout = self.engine.layout
         live = {id(s) for s in self.engine.seqs.values()}
-        reserved_pages = sum(len(c.seq.pages) for a in self.active for c in a.choices if id(c.seq) in live)
-        pages_in_use = layout.n_pages - 1 - len(self.engine.free_pages)
-        cs = dataclasses.asdict(self.cache.stats)
-        sess = self.sessions.stats()
-        m = self.metrics
-        m.queued.set(len(self.pending))
-        m.active.set(len(self.active))
-        m.reserved_bytes.set(self.reserved)
-        m.reserved_pages.set(reserved_pages)
-        m.prefix_cache_bytes.set(cs["bytes"])
-        m.prefix_cache_entries.set(cs["entries"])
-        m.sessions.set(sess["active"])
-        m.prefill_chunk.set(self.pacer.last)
-        stats = self.engine.draft_stats
-        for j, rate in enumerate(stats.acceptance() if stats is not None else []):
-            if rate is not None:
-                m.draft_acceptance.labels(position=str(j + 1)).set(rate)
-        m.state = {
-            "ready": self.ready,
-            "dead": None if self.dead is None else str(self.dead),
-            "stuck": self.stuck,
-            "settings_generation": self.settings.current.generation,
-            "queued_requests": len(self.pending) + self.inbox.qsize(),
-            "active_requests": len(self.active),
-            "requests": self.metrics.totals(),
-            "reserved_state_bytes": self.reserved,
-            "state_budget_bytes": self.settings.current.budget_bytes,
-            "reserved_pages": reserved_pages,
-            "pages_in_use": pages_in_use,
-            "pages_total": layout.n_pages - 1,
-            "free_slots": len(self.engine.free_slots),
-            # Hybrid models: linear-attention layers hold a fixed-size state per live sequence.
-            "recurrent_state_bytes_in_use": self.pool.recurrent_bytes * len(self.engine.seqs),
-            "recurrent_state_bytes_total": self.pool.recurrent_bytes * layout.max_slots,
-            "prefill_chunk_tokens": self.pacer.last,
-            "prefill_rate_tokens_per_s": self.pacer.rate,
-            "active": [
-                {
-                    "id": a.job.id,
-                    "phase": a.phase,
-                    "session": a.job.session_id,
-                    "n": a.job.prepared.n,
-                    "generation": a.job.settings.generation,
-                    "reserved_state_bytes": a.job.reservation,
-                    "usage": {
-                        "prompt_tokens": len(a.job.prepared.prompt),
-                        "cached_tokens": a.cached_tokens,
-                        "generated_tokens": a.generated_tokens,
-                    },
-                    "prefill_seconds": a.prefill_seconds,
-                    "decode_seconds": a.decode_seconds,
-                }
-                for a in self.active
-            ],
-            "prefix_cache": cs,
-            "sessions": sess,
-            "compilations": self.compiles.count,
-            "speculative": _draft_state(self.engine.draft_stats),
-            "expert_activity": expert_activity(self.engine.expert_tokens),
-        }
-
-
-def _draft_state(stats: Any) -> dict[str, Any] | None:
-    """Drafts verified and accepted at each draft position since start (None: drafting off)."""
-    if stats is None or not stats.max_drafts:
-        return None
-    return {
-        "proposed": stats.proposed.tolist(),
-        "accepted": stats.accepted.tolist(),
-        "acceptance_by_position": stats.acceptance(),
-    }
-
-
-def _rate(tokens: int, seconds: float) -> str:
-    """Tokens per second for the report line; n/a when no measurable time was spent."""
-    return f"{tokens / seconds:.1f}" if seconds > 1e-4 else "n/a"
-
-
-def expert_activity(tokens: np.ndarray | None) -> dict | None:
-    """Expert load for MoE models: tokens routed per expert (summed over layers) and balance."""
-    if tokens is None or tokens.size == 0:
-        return None
-    per_expert = tokens.sum(axis=0)
-    total = int(per_expert.sum())
-    per_layer = tokens.sum(axis=1)
-    return {
-        "tokens_routed": total,
-        "per_expert": per_expert.tolist(),
-        "idle_experts": int((per_expert == 0).sum()),
-        # Max/mean load per layer: 1.0 is perfectly balanced routing.
-        "max_over_mean_per_layer": [float(row.max() / max(row.mean(), 1e-9)) for row in tokens]
-        if per_layer.any()
-        else [],
-    }
+        publish(
+            self.metrics,
+            WorkerView(
+                ready=self.ready,
+                dead=None if self.dead is None else str(self.dead),
+                stuck=self.stuck,
+                settings_generation=self.settings.current.generation,
+                queued=len(self.pending) + self.inbox.qsize(),
+                waiting=len(self.pending),
+                active=tuple(a.view() for a in self.active),
+                reserved_bytes=self.reserved,
+                budget_bytes=self.settings.current.budget_bytes,
+                reserved_pages=sum(len(c.seq.pages) for a in self.active for c in a.choices if id(c.seq) in live),
+                pool=pool,
+                prefill_chunk=self.pacer.last,
+                prefill_rate=self.pacer.rate,
+                prefix_cache=dataclasses.asdict(self.cache.stats),
+                sessions=self.sessions.stats(),
+                compilations=self.compiles.count,
+                draft_stats=self.engine.draft_stats,
+                expert_tokens=self.engine.expert_tokens,
+            ),
+        )
 
 
 def warmup_engine(engine: Any, *, vocab: int, progress: Callable[[int, int], None] | None = None) -> int:

@@ -115,3 +115,21 @@ def test_no_import_cycles_and_one_direction_between_packages():
     # Importing a package's __init__ from its own modules is no cycle worth a name.
     cycles = [(a, b) for a in edges for b in edges[a] if "." in b and reaches(b, a) and "." in a]
     assert not cycles
+
+
+def test_the_worker_modules_never_reach_back_into_the_scheduler():
+    """The split hands data across: the modules the worker calls import nothing that imports
+    `serving.scheduler`, so none of them can reach back for its classes or methods."""
+    edges = _imports()
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    parts = ["admission", "choice_text", "partial_match", "reporting", "pacer", "output", "metrics", "faults"]
+    assert not [p for p in parts if "serving.scheduler" in reach(f"serving.{p}")]
+    assert "serving.scheduler" in reach("serving.server_state")  # the walk does see a real import

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -440,7 +442,7 @@ def test_prefix_cache_longest_match_lru_ttl():
 
 
 def test_expert_activity_summary():
-    from serving.scheduler import expert_activity
+    from serving.reporting import expert_activity
 
     assert expert_activity(None) is None
     assert expert_activity(np.zeros((2, 0), np.int64)) is None
@@ -557,3 +559,43 @@ def test_n_choices_share_one_prefill(loop):
     finishes = [f for f in frames(loop, j) if isinstance(f, Finish)]
     assert sorted((f.index, f.text, f.reason) for f in finishes) == [(i, "<112><113><114>", "length") for i in range(3)]
     assert sched.reserved == 0 and not engine.seqs and len(engine.free_slots) == 4
+
+
+def test_report_line_counts_the_request_own_pages(loop, caplog):
+    """A request alone on the server: its report line's KV fullness is its own 2 pages (read
+    before they go back), its context the prompt plus its tokens."""
+    sched, engine, _ = make(Limits())
+    job(sched, loop, "alone", prompt_len=4, max_tokens=3)  # 7 positions: 2 pages of 4
+    with caplog.at_level("INFO", logger="jaxllm.serve"):
+        run_until_idle(sched)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serve alone: prefill")]
+    assert "| ctx 7/1000 (1% full) | kv cache 2/64 pages (3% full)" in line, line
+    assert "prefill 4 tok (0 cached)" in line and "decode 3 tok" in line
+    assert len(engine.free_pages) == 64  # and back afterwards
+
+
+def test_admission_counts_are_written_by_the_worker_thread_alone(loop):
+    """Handlers only submit: every change to the reserved bytes happens on the worker thread."""
+    sched, engine, _ = make(Limits())
+    writers = []
+    for name in ("admitted", "released"):
+        real = getattr(sched.admission, name)
+
+        def record(job, real=real):
+            writers.append(threading.current_thread().name)
+            real(job)
+
+        setattr(sched.admission, name, record)
+    sched.start()
+    try:
+        jobs = [job(sched, loop, f"t{i}") for i in range(3)]  # submitted from this (handler) thread
+        deadline = time.monotonic() + 20
+        while (sched.active or sched.pending or not sched.inbox.empty() or len(writers) < 6) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    assert all(isinstance(frames(loop, j)[-1], Done) for j in jobs)
+    assert writers and set(writers) == {"jaxllm-worker"} and len(writers) == 6
+    assert sched.reserved == 0
