@@ -133,7 +133,6 @@ class Formatter:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self._started: set[int] = set()
-        self._tool_seen: dict[int, bool] = {}
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -47,15 +47,12 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
-    top_logprobs: int = 0
-    echo: bool = False
     echo_text: str = ""  # /v1/completions' echo: the prompt, put before each choice's text
     skip_special_tokens: bool = True
     tools: ToolContract | None = None
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # new messages (sessions)
     session: str | bool | None = None
     user: str | None = None
-    seed_given: bool = False
     constraints: tuple[Any, ...] = ()  # one grammar constraint per choice (structured output)
 
     @property
@@ -422,13 +419,11 @@ def parse_chat(
         stream=common["stream"],
         include_usage=common["include_usage"],
         logprobs=logprobs,
-        top_logprobs=top,
         skip_special_tokens=common["skip_special_tokens"],
         tools=contract,
         messages=list(new_messages),
         session=body.get("session"),
         user=common["user"],
-        seed_given=common["seed"] is not None,
         constraints=constraints,
     )
 
@@ -482,10 +477,7 @@ def parse_completion(
         stream=common["stream"],
         include_usage=common["include_usage"],
         logprobs=logprobs,
-        top_logprobs=lp or 0,
-        echo=echo,
         echo_text=echo_text,
         skip_special_tokens=common["skip_special_tokens"],
         user=common["user"],
-        seed_given=common["seed"] is not None,
     )

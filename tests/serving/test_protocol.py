@@ -64,7 +64,7 @@ def test_model_defaults_survive_a_reload(tmp_path):
 
 def test_completion_echo_and_session():
     p = completion({"echo": True})
-    assert p.echo and p.echo_text == "t1 t2 t3"
+    assert p.echo_text == "t1 t2 t3" and completion({}).echo_text == ""
     e = error_of(completion, {"echo": True, "logprobs": 1})
     assert e.status == 400 and e.param == "echo"
     e = error_of(completion, {"session": True})
