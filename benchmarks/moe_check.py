@@ -131,7 +131,7 @@ def layer_fn(variant: str, s: dict, config: tuple = ()):
         layout = "pairs" if variant == "pairs" else "grouped"
         bm = int(variant.removeprefix("grouped")) if variant.startswith("grouped") else None
         experts = lambda x, e, w, p: moe_ffn(
-            x, e, w, p.w_gate, p.w_up, p.w_down, layout=layout, block_m=bm, config=config, interpret=INTERPRET
+            x, e, w, p.w_gate, p.w_up, p.w_down, _layout=layout, _block_m=bm, _config=config, interpret=INTERPRET
         )
 
     def fn(x, p):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,28 @@ def test_the_worker_modules_never_reach_back_into_the_scheduler():
     parts = ["admission", "choice_text", "partial_match", "reporting", "pacer", "output", "metrics", "faults"]
     assert not [p for p in parts if "serving.scheduler" in reach(f"serving.{p}")]
     assert "serving.scheduler" in reach("serving.server_state")  # the walk does see a real import
+
+
+SWEEP_KNOB = re.compile(r"^(?!_)(block_\w+|\w+_per_block|num_warps|num_stages|n_splits|grid_order|config|layout)$")
+KERNEL_ENTRY_POINTS = {
+    "jaxllm.attention.paged_decode": ["paged_decode_attention", "paged_decode_attention_qkv"],
+    "jaxllm.model.moe_kernels": ["moe_ffn"],
+    "jaxllm.model.gated_delta_kernel": ["gated_delta_decode"],
+    "jaxllm.model.rms_norm_kernel": ["add_rms_norm"],
+}
+
+
+def test_kernel_launch_knobs_are_private():
+    """The Pallas kernels' entry points take no launch-sweep parameter by a public name (tile
+    sizes, warps, stages, splits, grid order, layout): those are underscored, for tests and
+    benchmarks, and the defaults are what users run."""
+    import importlib
+    import inspect
+
+    public = []
+    for module, names in KERNEL_ENTRY_POINTS.items():
+        for name in names:
+            params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+            public += [f"{module}.{name}({p})" for p in params if SWEEP_KNOB.match(p)]
+    assert not public
+    assert SWEEP_KNOB.match("num_warps") and SWEEP_KNOB.match("pages_per_block") and not SWEEP_KNOB.match("_num_warps")

@@ -49,9 +49,9 @@ def dummy_params(cfg: ModelConfig, seed: int = 0, *, dtype: str = "float32", out
     """
     # Normals are drawn in float32 then cast (XLA fuses the cast into the RNG loop), so the
     # values agree across target dtypes up to rounding.
-    # "rbg" (XLA's RngBitGenerator) compiles in about a second where threefry's unrolled
-    # hash takes ~10 s even for tiny models on CPU; dummy weights need no bit-exactness
-    # across shardings, which is threefry's advantage.
+    # "rbg" (XLA's RngBitGenerator): threefry's unrolled hash compiles many times slower,
+    # even for tiny models on the CPU; dummy weights need no bit-exactness across shardings,
+    # which is threefry's advantage.
     key = jax.random.key(seed, impl="rbg")
     if out_shardings is not None:
         return jax.jit(_random_tree, static_argnums=(1, 2), out_shardings=out_shardings)(key, cfg, dtype)

@@ -16,7 +16,7 @@ Dv into blocks is exact and gives the grid more programs than windows x heads.
 
 The pool is indexed by slot inside the kernel (`slots`), like the paged KV pool: the
 caller passes the whole [S, H, Dk, Dv] pool, or every layer's [L, S, H, Dk, Dv] with
-`layer`, never a gathered copy. Block sizes (Dk, block_v) must be powers of two on the GPU;
+`layer`, never a gathered copy. Block sizes (Dk, _block_v) must be powers of two on the GPU;
 the interpreter runs the same kernel on the CPU for the tests. Launch parameters are
 untuned (no GPU measurement yet).
 """
@@ -73,7 +73,7 @@ def _decode_kernel(
     out_ref[w, h, cols] = jnp.where(live, out, 0.0).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("qk_l2norm", "block_v", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("qk_l2norm", "interpret", "_block_v", "_num_warps"))
 def gated_delta_decode(
     q: jax.Array,
     k: jax.Array,
@@ -86,9 +86,9 @@ def gated_delta_decode(
     layer: jax.Array | int | None = None,
     live: jax.Array | None = None,
     qk_l2norm: bool = True,
-    block_v: int | None = None,
     interpret: bool = False,
-    num_warps: int = 4,
+    _block_v: int | None = None,
+    _num_warps: int = 4,
 ) -> tuple[jax.Array, jax.Array]:
     """One token of the gated delta rule per window, each on its slot's state in the pool.
 
@@ -108,9 +108,11 @@ def gated_delta_decode(
       live: [W] bool/int, windows that decode (default all); the others leave every slot as
         it was and return zeros, whatever slot they name.
       qk_l2norm: l2-normalise q and k first (Qwen3-Next does).
-      block_v: Dv columns per program, a power of two dividing Dv (default min(Dv, 32)).
       interpret: run in the Pallas interpreter (CPU tests).
-      num_warps: Triton launch parameter.
+
+    The underscored knobs are for tests and launch sweeps, not part of the API:
+      _block_v: Dv columns per program, a power of two dividing Dv (default min(Dv, 32)).
+      _num_warps: Triton launch parameter.
 
     Returns:
       out: [W, H, Dv] in q's dtype.
@@ -121,9 +123,9 @@ def gated_delta_decode(
     """
     W, H, Dk = q.shape
     Dv = v.shape[-1]
-    block_v = block_v or min(Dv, 32)
+    block_v = _block_v or min(Dv, 32)
     if Dv % block_v:
-        raise ValueError(f"block_v={block_v} must divide Dv={Dv}")
+        raise ValueError(f"_block_v={block_v} must divide Dv={Dv}")
     if state.ndim == 5:
         if layer is None:
             raise ValueError("a stacked [L, S, H, Dk, Dv] pool needs `layer`")
@@ -153,7 +155,7 @@ def gated_delta_decode(
         out_shape=out_shapes,
         input_output_aliases={len(operands) - 1: 1},  # the pool is updated where it lies
         interpret=interpret,
-        compiler_params=compiler_params(interpret=interpret, num_warps=num_warps, num_stages=1),
+        compiler_params=compiler_params(interpret=interpret, num_warps=_num_warps, num_stages=1),
         name="gated_delta_decode",
     )(*operands)
     return out, new_pool.reshape(pool_shape)

@@ -140,7 +140,7 @@ def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int) -> Blocks:
     out_row = jnp.zeros((P,), jnp.int32).at[order].set(row_of_sorted)
     rows = jnp.zeros((n_blocks * block_m,), jnp.int32).at[row_of_sorted].set(order // k)
     # "compare_all": one fusion. The default bisection is a while loop, and each trip of a
-    # while loop on the GPU waits for its predicate on the host (measured: ~120 us a layer).
+    # while loop on the GPU waits for its predicate on the host (docs/lab/moe-h200.md).
     block_expert = jnp.searchsorted(
         block_end, jnp.arange(n_blocks, dtype=jnp.int32), side="right", method="compare_all"
     )
@@ -275,7 +275,7 @@ DEFAULTS: dict[str, dict[str, int]] = {
 }
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "block_m", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("interpret", "_layout", "_block_m", "_config"))
 def moe_ffn(
     x: jax.Array,
     top_e: jax.Array,
@@ -284,10 +284,10 @@ def moe_ffn(
     w_up: jax.Array,
     w_down: jax.Array,
     *,
-    layout: str | None = None,
-    block_m: int | None = None,
     interpret: bool = False,
-    config: tuple[tuple[str, int], ...] = (),
+    _layout: str | None = None,
+    _block_m: int | None = None,
+    _config: tuple[tuple[str, int], ...] = (),
 ) -> jax.Array:
     """The routed experts' SwiGLU MLP of each token, weighted and summed over its k experts.
 
@@ -296,10 +296,13 @@ def moe_ffn(
       top_e: [T, k] int32 experts of each token.
       top_w: [T, k] routing weights (already normalised as the model wants).
       w_gate, w_up: [E, D, F]; w_down: [E, F, D], x's dtype.
-      layout: "pairs" or "grouped" (default: `moe_layout(T)`).
-      block_m: rows per grouped block (default: `default_block_m`).
       interpret: run the kernels in the Pallas interpreter (CPU tests).
-      config: launch overrides as (name, value) pairs: gu_block_k, gu_block_n, dn_block_k,
+
+    The underscored knobs are for tests and `benchmarks/moe_check.py`'s sweeps, not part of
+    the API:
+      _layout: "pairs" or "grouped" (default: `moe_layout(T)`).
+      _block_m: rows per grouped block (default: `default_block_m`).
+      _config: launch overrides as (name, value) pairs: gu_block_k, gu_block_n, dn_block_k,
         dn_block_n (tile sizes; powers of two >= 16 dividing D or F), num_warps, num_stages.
 
     Returns:
@@ -310,19 +313,19 @@ def moe_ffn(
     k = top_e.shape[1]
     if not shapes_supported(D, F):
         raise ValueError(f"D={D} and F={F} must be multiples of {MIN_DOT}")
-    layout = layout or moe_layout(T)
+    layout = _layout or moe_layout(T)
     if layout not in DEFAULTS:
         raise ValueError(f"layout must be pairs or grouped, got {layout!r}")
     cfg = dict(DEFAULTS[layout])
-    if set(dict(config)) - set(cfg):
-        raise ValueError(f"unknown launch settings {sorted(set(dict(config)) - set(cfg))}")
-    cfg.update(dict(config))
+    if set(dict(_config)) - set(cfg):
+        raise ValueError(f"unknown launch settings {sorted(set(dict(_config)) - set(cfg))}")
+    cfg.update(dict(_config))
     if layout == "pairs":
         blocks, bm = pair_blocks(top_e), MIN_DOT
         x_in = x
         row_w = top_w.reshape(-1).astype(jnp.float32)
     elif layout == "grouped":
-        bm = block_m or default_block_m(T * k, E)
+        bm = _block_m or default_block_m(T * k, E)
         blocks = grouped_blocks(top_e, E, bm)
         x_in = x[blocks.rows]  # [n_blocks * bm, D], grouped by expert
         row_w = (

@@ -345,7 +345,7 @@ def test_decode_kernel_matches_recurrent(block_v, qk_l2norm):
         k = k * 0.2
     slots = np.asarray([3, 0, 4], np.int32)
     out, new_pool = gated_delta_decode(
-        q, k, v, g, beta, pool, slots, qk_l2norm=qk_l2norm, block_v=block_v, interpret=True
+        q, k, v, g, beta, pool, slots, qk_l2norm=qk_l2norm, _block_v=block_v, interpret=True
     )
     ref_out, ref_states = _decode_reference(q, k, v, g, beta, pool, slots, qk_l2norm)
     assert out.shape == v.shape and new_pool.shape == pool.shape and new_pool.dtype == jnp.float32
@@ -363,7 +363,7 @@ def test_decode_kernel_dead_windows_touch_nothing():
     q, k, v, g, beta, pool = _decode_inputs(13, 4, 5)
     slots = np.asarray([2, 2, 0, 1], np.int32)
     live = np.asarray([1, 0, 1, 0], np.int32)
-    out, new_pool = gated_delta_decode(q, k, v, g, beta, pool, slots, live=live, block_v=4, interpret=True)
+    out, new_pool = gated_delta_decode(q, k, v, g, beta, pool, slots, live=live, _block_v=4, interpret=True)
     keep = np.asarray([0, 2])
     ref_out, ref_states = _decode_reference(q[keep], k[keep], v[keep], g[keep], beta[keep], pool, slots[keep])
     np.testing.assert_allclose(np.asarray(out)[keep], ref_out, rtol=1e-5, atol=1e-6)

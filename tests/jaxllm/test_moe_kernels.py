@@ -53,7 +53,7 @@ def test_kernels_match_reference(T, E, k, layout, block_m, skew):
     wg, wu, wd = _weights(rng, E, D, F)
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     top_e, top_w = _routing(rng, T, E, k, skew)
-    ours = moe_ffn(x, top_e, top_w, wg, wu, wd, layout=layout, block_m=block_m, interpret=True, config=SMALL)
+    ours = moe_ffn(x, top_e, top_w, wg, wu, wd, _layout=layout, _block_m=block_m, interpret=True, _config=SMALL)
     ref = moe_ffn_reference(x, top_e, top_w, wg, wu, wd)
     assert ours.shape == (T, D) and ours.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-5, atol=2e-5)
@@ -67,7 +67,7 @@ def test_bfloat16_close_to_float32_reference():
     top_e, top_w = _routing(rng, T, E, k, False)
     ref = np.asarray(moe_ffn_reference(x, top_e, top_w, wg, wu, wd))
     for layout in ("pairs", "grouped"):
-        ours = moe_ffn(x, top_e, top_w, wg, wu, wd, layout=layout, interpret=True, config=SMALL)
+        ours = moe_ffn(x, top_e, top_w, wg, wu, wd, _layout=layout, interpret=True, _config=SMALL)
         assert ours.dtype == jnp.bfloat16
         err = np.linalg.norm(np.asarray(ours, np.float32) - ref) / np.linalg.norm(ref)
         assert err < 1e-2, (layout, err)
