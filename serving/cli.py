@@ -78,10 +78,7 @@ def serve(
     from serving.app import CappedHttpProtocol, create_app
     from serving.settings import SettingsStore, load_settings
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # JAX logs its failed probe for a TPU at INFO as "Unable to initialize backend 'tpu'": on
-    # every machine without one, and it reads like an error.
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    configure_logging()
     if config is not None and not Path(config).is_file():
         raise SystemExit(f"jaxllm serve: --config {config}: no such file")
     given = config is not None
@@ -118,6 +115,15 @@ def serve(
     print(f"jaxllm serving {model_name} at http://{host}:{port}/v1 (health: http://{host}:{port}/health)", flush=True)
     app.run(host=host, port=port, single_process=True, access_log=False, motd=False, protocol=CappedHttpProtocol)
     return status["code"]
+
+
+def configure_logging() -> None:
+    """INFO lines with a time stamp; JAX's backend probe held to warnings: it logs its failed
+    probe for a TPU ("Unable to initialize backend 'tpu'") at INFO on every machine without
+    one, and it reads like an error."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxllm").setLevel(logging.INFO)  # also where the root logger was set up before
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
 def default_settings_path() -> str | None:
