@@ -451,3 +451,8 @@ def test_newcomer_cases(server, client, http):
     assert "warm-up 0/" in log and re.search(r"warm-up (\d+)/\1 ", log)
     lines = [line.split(" ", 2)[-1] for line in log.splitlines() if line.strip()]
     assert len([x for x in lines if "Starting worker" in x]) == 1, log[-2000:]
+    # Each report line's KV fullness counts the reported request's own pages (at least one).
+    reports = re.findall(r"kv cache (\d+)/\d+ pages", log)
+    assert reports and "0" not in reports, reports
+    # No loading bar in a log file (stderr is no terminal) and no TPU probe at INFO.
+    assert "\r" not in log and "loading gguf" not in log and "Unable to initialize backend" not in log
