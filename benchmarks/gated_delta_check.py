@@ -137,10 +137,11 @@ def main() -> None:
     ap.add_argument("--interpret", action="store_true", help="Pallas interpreter on the CPU, tiny shapes")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="q, k, v dtypes")
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill form's precision timings")
     args = ap.parse_args()
     shape = TINY if args.interpret else REAL
     print("jax", jax.__version__, jax.devices(), flush=True)
-    for dtype in args.dtypes.split(","):
+    for dtype in [] if args.prefill_only else args.dtypes.split(","):
         check_decode(shape, jnp.dtype(dtype), args.runs, args.interpret)
     if not args.interpret:
         check_prefill_precision(args.runs)

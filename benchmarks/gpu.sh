@@ -127,6 +127,21 @@ if [[ $what == gated_delta ]]; then
   timeout ${GDN_CHECK_S:-200} python3 benchmarks/gated_delta_check.py ${GDN_ARGS:-} 2>&1 | grep -v "^W0\|^I0\|^E0"
 fi
 
+# What the top kernels of a batch-1 decode step compute, at a few layers of each MoE shape
+# (the per-layer kernels are those of the whole model; fits any card): trace + optimized HLO.
+if [[ $what == explain ]]; then
+  for c in ${EXPLAIN_CONFIGS:-configs/qwen3-30b-a3b.json configs/qwen3.5-35b-a3b.json}; do
+    timeout ${PROFILE_S:-150} python3 benchmarks/profile_step.py --config $c --layers ${EXPLAIN_LAYERS:-8} --dtype bfloat16 \
+      --steps 8 --calls 2 --top ${EXPLAIN_TOP:-14} --explain --out "$out/explain-$(basename $c .json)" 2>&1 | grep -v "^W0\|^I0"
+    rm -rf "$out"/explain-*/raw "$out"/explain-*/hlo
+  done
+fi
+
+# The chunked WY form of the DeltaNet prefill at each matmul precision (2k-prompt TTFT lead).
+if [[ $what == wy_precision ]]; then
+  timeout ${GDN_CHECK_S:-200} python3 benchmarks/gated_delta_check.py --prefill-only --runs 10 2>&1 | grep -E "^prefill|Error|error:"
+fi
+
 # Where a hybrid batch-1 decode step's time goes (kernel-level profile of the 35B-A3B shape).
 if [[ $what == profile_hybrid ]]; then
   timeout ${PROFILE_S:-150} python3 benchmarks/profile_step.py --config configs/qwen3.5-35b-a3b.json --dtype bfloat16 --steps 8 \

@@ -4,17 +4,24 @@ engine (batch 1, 1k context), summarized by kernel.
     python benchmarks/profile_step.py --config configs/smollm2-135m.json --dtype float32 --steps 16 --out DIR
 
 Writes DIR/trace.json.gz (Perfetto) and prints the device kernels that take the most time
-per decode step, how many kernels run per step, and the step's wall time.
+per decode step, how many kernels run per step, and the step's wall time. `--layers N` keeps
+N layers of the config (the per-layer kernels are the same; a large model then fits a smaller
+card); `--explain` dumps the optimized HLO and names what each top XLA fusion computes (its
+ops and the JAX source lines they came from).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
+import os
+import re
 import shutil
+import sys
 import time
 
 import jax
@@ -25,6 +32,53 @@ from jaxllm.config import load_config_json
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.params import layout_params
 from jaxllm.runtime_options import RuntimeOptions
+
+
+def _dump_dir(argv: list[str]) -> str | None:
+    """With --explain, where XLA dumps the optimized HLO (set before jax starts its backend)."""
+    if "--explain" not in argv:
+        return None
+    out = argv[argv.index("--out") + 1] if "--out" in argv else "/tmp/jaxllm-profile"
+    dump = out + "/hlo"
+    shutil.rmtree(dump, ignore_errors=True)
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+    )
+    return dump
+
+
+DUMP = _dump_dir(sys.argv)
+
+
+def explain(kernel: str, dump: str, lines: int = 6) -> list[str]:
+    """What the fusion a trace kernel name stands for computes: its instruction's calls= target,
+    that computation's non-trivial ops, and the source lines its ops came from."""
+    hlo_name = re.sub(r"_(\d+)$", r".\1", kernel)
+    for path in sorted(glob.glob(dump + "/*after_optimizations.txt")):
+        text = open(path).read()
+        m = re.search(rf"%{re.escape(hlo_name)} = [^\n]*calls=%([\w.\-]+)", text)
+        if not m:
+            continue
+        body = re.search(rf"%{re.escape(m.group(1))} [^\n]*{{\n(.*?)\n}}", text, re.S)
+        if not body:
+            continue
+        ops, sources = [], collections.Counter()
+        for line in body.group(1).splitlines():
+            op = re.search(r"= (\S+) (\w[\w\-]*)\(", line)
+            if op and op.group(2) not in ("parameter", "constant", "bitcast", "broadcast", "convert", "reshape"):
+                ops.append(f"{op.group(2)}:{op.group(1)}")
+            src = re.search(r'source_file="([^"]+)" source_line=(\d+)', line)
+            name = re.search(r'op_name="([^"]+)"', line)
+            if src:
+                sources[f"{os.path.basename(src.group(1))}:{src.group(2)}"] += 1
+            elif name:  # stack frames only: the op's path in the traced function says where
+                sources["/".join(name.group(1).split("/")[-3:])] += 1
+        head = f"    = {' '.join(ops[:lines])}{' ...' if len(ops) > lines else ''}"
+        return [
+            head,
+            f"    from {', '.join(s for s, _ in sources.most_common(3)) or '?'} ({os.path.basename(path)[:60]})",
+        ]
+    return []
 
 
 def summarize(trace_path: str, n_steps: int, top: int) -> None:
@@ -58,6 +112,9 @@ def summarize(trace_path: str, n_steps: int, top: int) -> None:
     )
     for name, us in total.most_common(top):
         print(f"{us / n_steps:9.1f} us/step {count[name] / n_steps:6.1f}x  {name[:110]}")
+        if DUMP and "fusion" in name:
+            for line in explain(name, DUMP):
+                print(line)
 
 
 def main() -> None:
@@ -70,9 +127,14 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/jaxllm-profile")
     ap.add_argument("--decode-matmul", default="auto", choices=["auto", "xla"])
     ap.add_argument("--sampler-branches", default="auto", choices=["auto", "cond", "select"])
+    ap.add_argument("--layers", type=int, default=0, help="keep this many layers (0: the config's)")
+    ap.add_argument("--explain", action="store_true", help="name what each top fusion computes (HLO dump)")
     args = ap.parse_args()
 
     cfg = load_config_json(args.config)
+    if args.layers:
+        types = cfg.layer_types[: args.layers] if cfg.layer_types else ()
+        cfg = dataclasses.replace(cfg, n_layers=args.layers, layer_types=types)
     opts = RuntimeOptions(
         dtype=args.dtype, scan_layers=False, decode_matmul=args.decode_matmul, sampler_branches=args.sampler_branches
     )
