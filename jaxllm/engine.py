@@ -84,11 +84,11 @@ class EngineConfig:
     # batch (docs/research.md, "Batch-invariant mode"). Every decode token is computed by one
     # program (all `max_slots` rows, `decode_steps_per_call` steps, the largest context
     # bucket, the full sampler, XLA's dot: no C++ matvec); every prompt token by one chunk
-    # program (`chunk_buckets[-1]` rows, one prompt, chunks aligned to multiples of that size,
-    # the context bucket of the chunk's end), alternating with decode calls; no drafts. A
-    # prefix checkpoint counts only up to a chunk boundary (`add`). Costs: decode rows padded
-    # to every slot and the whole context, prompts padded to the largest chunk, no continuous
-    # overlap of prefill and decode, no speculative decoding (docs/lab/batch-invariance.md).
+    # program (the largest chunk bucket within max_seq_len, one prompt, chunks aligned to
+    # multiples of that size, the context bucket of the chunk's end), alternating with decode
+    # calls; no drafts. A prefix checkpoint counts only up to a chunk boundary (`add`). Costs:
+    # decode rows padded to every slot and the whole context, prompts padded to the chunk, no
+    # overlap of prefill and decode, no speculative decoding (docs/research.md).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -417,7 +417,7 @@ class Engine:
         """Batch-invariant mode: a prefix checkpoint counts only up to the last chunk boundary
         (a multiple of the chunk size), so the rest of the prompt runs in the chunks a full
         prefill runs it in; None where that leaves nothing (a recurrent state cannot be cut)."""
-        aligned = cached // self.config.chunk_buckets[-1] * self.config.chunk_buckets[-1]
+        aligned = cached // self._invariant_chunk() * self._invariant_chunk()
         if aligned == 0 or (self.cfg.n_linear_layers and aligned != cached):
             return None, 0
         return ckpt.replace(length=np.int32(aligned)), aligned
@@ -866,7 +866,7 @@ class Engine:
         have work. Neither program's shape depends on which or how many sequences ride."""
         if prefilling and (not decoding or self._last_round != "chunk"):
             self._last_round = "chunk"
-            size = self.config.chunk_buckets[-1]
+            size = self._invariant_chunk()
             start = prefilling[0].prefilled
             inputs.decode_mask[:] = False
             chunk, _, prompts, finishing = self._build_chunk(size - start % size, bucket=size)
@@ -912,10 +912,15 @@ class Engine:
             )
         return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), steps=n, multi=True))
 
+    def _invariant_chunk(self) -> int:
+        """The batch-invariant mode's one chunk size: the largest bucket within the context."""
+        buckets = self.config.chunk_buckets
+        return next((b for b in reversed(buckets) if b <= self.layout.max_seq_len), buckets[0])
+
     def _invariant_variants(self, idle: steps.RoundInputs) -> list[tuple[tuple, Callable[[], Any]]]:
         """The round shapes of the batch-invariant mode: the chunk program at each context
         bucket, and the one decode program."""
-        size, width = self.config.chunk_buckets[-1], self.config.chunk_widths()[0]
+        size, width = self._invariant_chunk(), self.config.chunk_widths()[0]
         n, B = self.config.decode_steps_per_call, self.layout.max_slots
         out: list[tuple[tuple, Callable[[], Any]]] = [
             (
