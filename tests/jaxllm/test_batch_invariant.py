@@ -48,8 +48,8 @@ def _engine(model: Model, invariant: bool):
     engine = model.engine(
         EngineConfig(
             max_slots=32,
-            max_seq_len=256,
-            kv_bytes=kv_bytes(WIDE, 32, 256, opts=model.options),
+            max_seq_len=128,
+            kv_bytes=kv_bytes(WIDE, 32, 128, opts=model.options),
             chunk_buckets=(32, CHUNK),
             decode_widths=(1, 8),
             max_drafts=2,
