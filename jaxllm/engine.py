@@ -80,6 +80,16 @@ class EngineConfig:
     # Speculative decoding: drafts verified per decoding sequence and round (0 = off). Each
     # round then feeds up to this many + 1 tokens per sequence (`jaxllm.steps.verify`).
     max_drafts: int = 0
+    # Batch-invariant rounds: a sequence's logits are bitwise the same whatever else is in the
+    # batch (docs/research.md, "Batch-invariant mode"). Every decode token is computed by one
+    # program (all `max_slots` rows, `decode_steps_per_call` steps, the largest context
+    # bucket, the full sampler, XLA's dot: no C++ matvec); every prompt token by one chunk
+    # program (the largest chunk bucket within max_seq_len, one prompt, chunks aligned to
+    # multiples of that size, the context bucket of the chunk's end), alternating with decode
+    # calls; no drafts. A prefix checkpoint counts only up to a chunk boundary (`add`). Costs:
+    # decode rows padded to every slot and the whole context, prompts padded to the chunk, no
+    # overlap of prefill and decode, no speculative decoding (docs/research.md).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "decode_steps_per_call", "chunk_segments"):
@@ -265,7 +275,8 @@ class Engine:
         in `options.dtype`). `draft_source(tokens, k)` proposes up to k tokens to follow
         `tokens` (a sequence's prompt and output so far) when `config.max_drafts` > 0."""
         self.cfg = cfg
-        self.options = options
+        # Batch-invariant rounds never take the C++ matvec: XLA's dot at one row count each.
+        self.options = options.replace(decode_matmul="xla") if config.batch_invariant else options
         self.draft_source = draft_source
         self.params = params
         self.config = config
@@ -288,7 +299,10 @@ class Engine:
         self._seed_counter = itertools.count(1)
         self.draft_stats = DraftStats(config.max_drafts)
         # With an MTP head every verification round also drafts the next one (on device).
-        self.mtp_drafts = bool(config.max_drafts and cfg.mtp_layers and params.mtp is not None)
+        self.mtp_drafts = bool(
+            config.max_drafts and not config.batch_invariant and cfg.mtp_layers and params.mtp is not None
+        )
+        self._last_round = ""  # batch-invariant rounds alternate "chunk" and "decode"
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
         self._compiled: dict[tuple, Callable[..., Any]] = {}
@@ -362,6 +376,8 @@ class Engine:
             raise ValueError("cached_tokens must be in (0, len(prompt))")
         if checkpoint is not None and self.cfg.n_linear_layers and int(checkpoint.length) != cached_tokens:
             raise ValueError(f"a recurrent state holds exactly {int(checkpoint.length)} positions, not {cached_tokens}")
+        if checkpoint is not None and self.config.batch_invariant:
+            checkpoint, cached_tokens = self._aligned_checkpoint(checkpoint, cached_tokens)
         # Everything that can fail on the host runs before the slot and pages are taken:
         # a sequence that fails here must not hold them for good.
         seed = seed_to_u32(params.seed, next(self._seed_counter) * 0x9E3779B1)
@@ -389,13 +405,22 @@ class Engine:
             seed=int(seed),
             constraint=constraint,
             extract_at=points,
-            stops=points if self.cfg.n_linear_layers else [],
+            stops=points if self.cfg.n_linear_layers and not self.config.batch_invariant else [],
             drafting=self._draft_control(params, constraint),
         )
         if checkpoint is not None:
             seq.prefilled = cached_tokens
         self.seqs[slot] = seq
         return seq
+
+    def _aligned_checkpoint(self, ckpt: SeqCheckpoint, cached: int) -> tuple[SeqCheckpoint | None, int]:
+        """Batch-invariant mode: a prefix checkpoint counts only up to the last chunk boundary
+        (a multiple of the chunk size), so the rest of the prompt runs in the chunks a full
+        prefill runs it in; None where that leaves nothing (a recurrent state cannot be cut)."""
+        aligned = cached // self._invariant_chunk() * self._invariant_chunk()
+        if aligned == 0 or (self.cfg.n_linear_layers and aligned != cached):
+            return None, 0
+        return ckpt.replace(length=np.int32(aligned)), aligned
 
     def _sampling_row(self, params: SamplingParams, seed: np.uint32, tokens: list[int]):
         """A slot's `SlotSampling` row; with extra samplers, its `ExtraSampling` row too
@@ -415,7 +440,7 @@ class Engine:
         """Drafting for a new sequence: up to the request's `drafts` (None: the engine's
         `max_drafts`), never for constrained ones (their masks need the host per token)."""
         most = self.config.max_drafts if params.drafts is None else min(params.drafts, self.config.max_drafts)
-        return DraftControl(most=most) if most > 0 and constraint is None else None
+        return DraftControl(most=most) if most > 0 and constraint is None and not self.config.batch_invariant else None
 
     def can_extract(self, seq: Sequence, n_positions: int) -> bool:
         """Whether `extract(seq, n_positions)` can give exactly `prompt[:n_positions]` now.
@@ -505,6 +530,8 @@ class Engine:
         """(key, lowering thunk) for every round shape `launch` can ask for."""
         B = self.layout.max_slots
         idle = steps.round_inputs(B, self.cfg.vocab_size)
+        if self.config.batch_invariant:
+            return self._invariant_variants(idle)
         out: list[tuple[tuple, Callable[[], Any]]] = []
         n = self.config.decode_steps_per_call
         for ctx, width in itertools.product(self.ctx_buckets(), self.config.widths()):
@@ -686,6 +713,8 @@ class Engine:
         inputs.decode_mask[[s.slot for s in decoding]] = True
         inputs = inputs.replace(want_top=np.bool_(any(s.params.top_logprobs > 0 for s in self.seqs.values())))
         snapshot = dict(self.seqs)
+        if self.config.batch_invariant:
+            return self._launch_invariant(inputs, decoding, prefilling, snapshot)
 
         if not prefilling and self.config.max_drafts:
             drafts = self._propose(decoding)
@@ -824,6 +853,111 @@ class Engine:
         pages = max(self.layout.pages_for(n_positions), self.config.min_ctx_pages)
         return pages_bucket(pages, self.layout.max_pages_per_seq)
 
+    # ---- batch-invariant rounds (EngineConfig.batch_invariant) --------------------------
+    def _launch_invariant(
+        self,
+        inputs: steps.RoundInputs,
+        decoding: list[Sequence],
+        prefilling: list[Sequence],
+        snapshot: dict[int, Sequence],
+    ) -> Round:
+        """One round of the batch-invariant mode: a decode call of the one decode program, or
+        one prompt's next aligned chunk alone (no decode rows); they alternate while both
+        have work. Neither program's shape depends on which or how many sequences ride."""
+        if prefilling and (not decoding or self._last_round != "chunk"):
+            self._last_round = "chunk"
+            size = self._invariant_chunk()
+            start = prefilling[0].prefilled
+            inputs.decode_mask[:] = False
+            chunk, _, prompts, finishing = self._build_chunk(size - start % size, bucket=size)
+            self._constrain(inputs, finishing)
+            # The context bucket of the chunk's aligned end: the same for this chunk of this
+            # prompt whatever prompt (longer, or a cache hit) computes it.
+            ctx, width = self._ctx_pages(start - start % size + size), self.config.chunk_widths()[0]
+            compiled = self._compiled.get(("step", size, ctx, width))
+            if compiled is not None:
+                self.state, out = compiled(self.params, self.state, inputs, chunk)
+            else:
+                self.state, out = steps.step(
+                    self.params,
+                    self.state,
+                    inputs,
+                    chunk,
+                    cfg=self.cfg,
+                    opts=self.options,
+                    chunk_len=size,
+                    n_ctx_pages=ctx,
+                    decode_width=width,
+                )
+            return Round(output=out, seqs=snapshot, plan=RoundPlan(prompts=prompts))
+        self._last_round = "decode"
+        n, ctx, B = self.config.decode_steps_per_call, self.layout.max_pages_per_seq, self.layout.max_slots
+        self._constrain(inputs, decoding)
+        for s in decoding:
+            s.dispatched += 1 if s.constraint is not None else n
+        compiled = self._compiled.get(("decode", n, ctx, B, True))
+        if compiled is not None:
+            self.state, out = compiled(self.params, self.state, inputs)
+        else:
+            self.state, out = steps.decode_steps(
+                self.params,
+                self.state,
+                inputs,
+                cfg=self.cfg,
+                opts=self.options,
+                n_steps=n,
+                n_ctx_pages=ctx,
+                decode_width=B,
+                full_sampler=True,
+            )
+        return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), steps=n, multi=True))
+
+    def _invariant_chunk(self) -> int:
+        """The batch-invariant mode's one chunk size: the largest bucket within the context."""
+        buckets = self.config.chunk_buckets
+        return next((b for b in reversed(buckets) if b <= self.layout.max_seq_len), buckets[0])
+
+    def _invariant_variants(self, idle: steps.RoundInputs) -> list[tuple[tuple, Callable[[], Any]]]:
+        """The round shapes of the batch-invariant mode: the chunk program at each context
+        bucket, and the one decode program."""
+        size, width = self._invariant_chunk(), self.config.chunk_widths()[0]
+        n, B = self.config.decode_steps_per_call, self.layout.max_slots
+        out: list[tuple[tuple, Callable[[], Any]]] = [
+            (
+                ("step", size, ctx, width),
+                lambda ctx=ctx: steps.step.lower(
+                    self.params,
+                    self.state,
+                    idle,
+                    self._idle_chunk(size),
+                    cfg=self.cfg,
+                    opts=self.options,
+                    chunk_len=size,
+                    n_ctx_pages=ctx,
+                    decode_width=width,
+                ),
+            )
+            for ctx in self.ctx_buckets()
+        ]
+        ctx = self.layout.max_pages_per_seq
+        out.append(
+            (
+                ("decode", n, ctx, B, True),
+                lambda: steps.decode_steps.lower(
+                    self.params,
+                    self.state,
+                    idle,
+                    cfg=self.cfg,
+                    opts=self.options,
+                    n_steps=n,
+                    n_ctx_pages=ctx,
+                    decode_width=B,
+                    full_sampler=True,
+                ),
+            )
+        )
+        return out
+
     def _chunk_members(self, budget: int) -> list[tuple[Sequence, int]]:
         """Which prompts the next chunk carries, oldest first, and how many tokens of each.
 
@@ -835,7 +969,7 @@ class Engine:
         if not prefilling:
             return []
         first = prefilling[0]
-        if first.prefilled > 0 or self.config.chunk_segments == 1:
+        if first.prefilled > 0 or self.config.chunk_segments == 1 or self.config.batch_invariant:
             group = [first]
         else:
             group = [s for s in prefilling if s.prefilled == 0][: self.config.chunk_segments]
@@ -851,8 +985,11 @@ class Engine:
             left -= n
         return members
 
-    def _build_chunk(self, budget: int) -> tuple[steps.ChunkBatch, int, tuple[PromptAdvance, ...], list[Sequence]]:
-        """The next round's prompt chunk (see `_chunk_members`); advances `prefilled`.
+    def _build_chunk(
+        self, budget: int, bucket: int | None = None
+    ) -> tuple[steps.ChunkBatch, int, tuple[PromptAdvance, ...], list[Sequence]]:
+        """The next round's prompt chunk (see `_chunk_members`) padded to `bucket` (None: the
+        smallest chunk bucket that holds it); advances `prefilled`.
 
         Returns:
           (chunk, furthest position it reaches, what it prefills of each prompt, the
@@ -863,7 +1000,7 @@ class Engine:
         if not members:
             return steps.empty_chunk(B), 0, (), []
         total = sum(n for _, n in members)
-        bucket = next(b for b in self.config.chunk_buckets if b >= total)
+        bucket = bucket or next(b for b in self.config.chunk_buckets if b >= total)
         chunk = self._idle_chunk(bucket)
         reach, at, finishing, advances = 0, 0, [], []
         for i, (seq, n) in enumerate(members):

@@ -38,12 +38,25 @@ def kv_bytes(cfg: ModelConfig, n_seqs: int, length: int, page_size: int = 16, *,
 
 
 def research_engine(
-    model: Model, n_rows: int, longest: int, *, max_slots: int = 32, logits_processors: tuple = (), max_drafts: int = 0
+    model: Model,
+    n_rows: int,
+    longest: int,
+    *,
+    max_slots: int = 32,
+    logits_processors: tuple = (),
+    max_drafts: int = 0,
+    batch_invariant: bool = False,
 ) -> Engine:
     """An engine sized for `n_rows` sequences of up to `longest` positions, research samplers
-    on; `max_drafts` > 0: sequences draft by prompt lookup (see `EngineConfig.max_drafts`)."""
+    on; `max_drafts` > 0: sequences draft by prompt lookup (see `EngineConfig.max_drafts`).
+
+    `batch_invariant`: `EngineConfig.batch_invariant`, with a shape that does not follow the
+    run (`max_slots` slots, `longest` rounded up to a power of two, at least 256): a row's
+    logits are then bitwise the same in any run of such engines whatever the other rows."""
     slots = max(1, min(n_rows, max_slots))
     longest = round_up(longest, 64)  # engines of similar runs share shapes, so compilations
+    if batch_invariant:
+        slots, longest = max_slots, max(256, 1 << (longest - 1).bit_length())
     # Prompts are packed side by side into prefill chunks: on the CPU a comparison's many
     # short prompts would otherwise take a round each.
     return model.engine(
@@ -56,6 +69,7 @@ def research_engine(
             extra_samplers=True,
             logits_processors=tuple(logits_processors),
             max_drafts=max_drafts,
+            batch_invariant=batch_invariant,
         )
     )
 

@@ -37,6 +37,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model's stem)")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every shape bucket before /health")
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="same prompt + seed -> bitwise the same logits whatever else is in the batch (over the "
+        "settings' [engine] batch_invariant); no drafts, prefill alternates with decoding: slower "
+        "(docs/research.md)",
+    )
+    p.add_argument(
         "--compile-cache",
         default=None,
         help="XLA's persistent compilation cache, so a restart loads the warm-up's executables "
@@ -73,6 +80,7 @@ def serve(
     warmup: bool = True,
     profile_dir: str | None = None,
     api_key_file: str | None = None,
+    batch_invariant: bool = False,
 ) -> int:
     """Runs the server until stopped; returns the exit status (1 if the worker died)."""
     from serving.app import CappedHttpProtocol, create_app
@@ -95,7 +103,7 @@ def serve(
         settings = load_settings(config)
     except (ValueError, OSError) as e:  # tomllib's errors are ValueErrors
         raise SystemExit(f"jaxllm serve: settings {config}: {e}") from None
-    store = SettingsStore(settings, config)
+    store = SettingsStore(settings, config, engine_overrides={"batch_invariant": True} if batch_invariant else None)
     status = {"code": 0}
 
     def on_death(e: BaseException) -> None:
@@ -165,6 +173,7 @@ def run_serve(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         profile_dir=args.profile_dir,
         api_key_file=args.api_key_file,
+        batch_invariant=args.batch_invariant,
     )
 
 

@@ -94,6 +94,10 @@ class EngineShape:
     # The research samplers (typical-p, epsilon, eta, top-nσ, DRY, XTC, mirostat) as request
     # fields: per-slot state rows and a costlier sampler in every round.
     extra_samplers: bool = False
+    # Batch-invariant rounds (`EngineConfig.batch_invariant`, `jaxllm serve --batch-invariant`):
+    # same prompt + seed -> bitwise the same logits whatever else is in the batch; drafts off,
+    # prefill no longer overlaps decoding (cost: docs/research.md).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -152,6 +156,7 @@ class EngineShape:
             backend=resolved,
             kv_bytes_per_position=kv_bytes_per_position or 1,
             extra_samplers=self.extra_samplers,
+            batch_invariant=self.batch_invariant,
             **self.overrides(),
         )
 
@@ -328,10 +333,20 @@ def load_settings(path: str | Path | None) -> Settings:
 class SettingsStore:
     """The current settings and their generation; `reload` is safe from any thread."""
 
-    def __init__(self, settings: Settings, path: str | Path | None = None):
+    def __init__(
+        self, settings: Settings, path: str | Path | None = None, engine_overrides: dict[str, Any] | None = None
+    ):
+        """`engine_overrides`: [engine] fields the command line sets (`--batch-invariant`),
+        over the file's, at start and on every reload."""
         self._path = path
         self._lock = threading.Lock()
-        self.current = settings
+        self._engine_overrides = dict(engine_overrides or {})
+        self.current = self._overridden(settings)
+
+    def _overridden(self, settings: Settings) -> Settings:
+        if not self._engine_overrides:
+            return settings
+        return dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **self._engine_overrides))
 
     def use_model_defaults(self, defaults: dict[str, float]) -> None:
         """Records the loaded model's generation defaults (kept across reloads)."""
@@ -347,7 +362,7 @@ class SettingsStore:
                 new = dataclasses.replace(old, generation=old.generation + 1)
             else:
                 with open(self._path, "rb") as f:
-                    new = parse_settings(tomllib.load(f), old.generation + 1)
+                    new = self._overridden(parse_settings(tomllib.load(f), old.generation + 1))
             needs_restart = [
                 f"engine.{f.name}"
                 for f in dataclasses.fields(EngineShape)

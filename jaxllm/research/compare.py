@@ -65,6 +65,7 @@ def compare(
     *,
     max_slots: int = 32,
     logits_processors: tuple = (),
+    batch_invariant: bool = False,
 ):
     """Runs every (prompt, sampler, seed) in one batched engine and measures each sample.
 
@@ -77,6 +78,9 @@ def compare(
       max_slots: most rows decoding at once.
       logits_processors: user processors to compile in besides the samplers' own (comparisons
         whose engines carry the same ones reuse each other's compilations).
+      batch_invariant: run on a batch-invariant engine (`EngineConfig.batch_invariant`): each
+        row's logprobs are then bitwise what it gets alone or in any other comparison with
+        the same `max_slots`, processors and context bucket (`research_engine`); slower.
 
     Returns:
       A pandas DataFrame, one row per sample: prompt, sampler, seed, text, token_ids,
@@ -97,7 +101,9 @@ def compare(
         dict.fromkeys(list(logits_processors) + [p.logits_processor for _, p in rows if p.logits_processor is not None])
     )
     longest = max(len(p.ids) for p in prepared) + max_tokens
-    engine = research_engine(model, len(rows), longest, max_slots=max_slots, logits_processors=processors)
+    engine = research_engine(
+        model, len(rows), longest, max_slots=max_slots, logits_processors=processors, batch_invariant=batch_invariant
+    )
     samples = run_rows(model, engine, rows)
 
     records = []

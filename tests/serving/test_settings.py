@@ -72,8 +72,9 @@ def test_shipped_settings_derive_a_valid_engine(name):
     assert isinstance(settings.engine.engine_config(backend="cpu"), EngineConfig)
     with open(ROOT / "configs" / name, "rb") as f:
         engine = tomllib.load(f)["engine"]
-    # No hand-tuned shapes: the four user settings, plus the feature switch of the research samplers.
-    assert set(engine) - {"extra_samplers"} == {"slots", "context", "kv_mib", "backend"}
+    # No hand-tuned shapes: the four user settings, plus the feature switches (research samplers,
+    # batch invariance).
+    assert set(engine) - {"extra_samplers", "batch_invariant"} == {"slots", "context", "kv_mib", "backend"}
 
 
 def test_serve_refuses_a_missing_or_bad_config(tmp_path):
@@ -89,3 +90,21 @@ def test_serve_refuses_a_missing_or_bad_config(tmp_path):
     bad.write_text("[engine]\nslots = 0\n")
     with pytest.raises(SystemExit, match="slots"):
         serve(never, config=str(bad), **kw)
+
+
+def test_batch_invariant_from_the_file_or_the_command_line(tmp_path):
+    """`[engine] batch_invariant` reaches the EngineConfig; `jaxllm serve --batch-invariant`
+    sets it over the file, and a reload of a file without it keeps it (no restart asked)."""
+    from serving.cli import build_parser
+    from serving.settings import SettingsStore
+
+    on = parse_settings(tomllib.loads("[engine]\nbatch_invariant = true\n"))
+    assert on.engine.engine_config(backend="cpu").batch_invariant
+    assert not parse_settings({}).engine.engine_config(backend="cpu").batch_invariant
+    args = build_parser().parse_args(["serve", "--batch-invariant"])
+    assert args.batch_invariant and not build_parser().parse_args(["serve"]).batch_invariant
+    path = tmp_path / "s.toml"
+    path.write_text("[engine]\nslots = 4\n")
+    store = SettingsStore(load_settings(path), path, engine_overrides={"batch_invariant": True})
+    assert store.current.engine.engine_config(backend="cpu").batch_invariant
+    assert store.reload()["needs_restart"] == [] and store.current.engine.batch_invariant
