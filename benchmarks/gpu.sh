@@ -137,6 +137,13 @@ if [[ $what == explain ]]; then
   done
 fi
 
+# Batch invariance on the GPU (issue 21): tokens / bitwise logprobs alone vs among neighbours,
+# and the throughput of each engine setting; "invariant" against "derived" is the mode's cost.
+if [[ $what == invariance ]]; then
+  timeout ${INV_S:-300} python3 -m benchmarks.batch_invariance --config ${INV_CONFIG:-configs/smollm2-135m.json} --dtype bfloat16 \
+    --slots 32 --context 1024 --rows 128 --settings derived,widths,drafts,invariant 2>&1 | grep -v "^W0\|^I0\|^E0"
+fi
+
 # The chunked WY form of the DeltaNet prefill at each matmul precision (2k-prompt TTFT lead).
 if [[ $what == wy_precision ]]; then
   timeout ${GDN_CHECK_S:-200} python3 benchmarks/gated_delta_check.py --prefill-only --runs 10 2>&1 | grep -E "^prefill|Error|error:"
