@@ -6,7 +6,10 @@ a hybrid one (whose linear-attention state rolls back to the accepted length).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -223,3 +226,74 @@ def test_mtp_head_drafts_on_device_without_changing_tokens():
         assert engine.mtp_drafts
         assert [s.generated for s in drafted] == [s.generated for s in plain]
         assert engine.draft_stats.proposed[0] > 0  # the head drafted from the second round on
+
+
+def recent_and_position(logits: jax.Array, ctx) -> jax.Array:
+    """A user processor that reads its context: a position-dependent nudge, and the token
+    just before the one drawn (from the row's history) banned."""
+    ids = jnp.arange(logits.shape[0])
+    return logits + 0.5 * jnp.cos(ids + ctx.length) - 1e4 * (ids == ctx.tokens[ctx.length - 1])
+
+
+STATEFUL = {
+    "temperature": SamplingParams(temperature=1.0, seed=11),
+    "penalties": SamplingParams(
+        temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3, seed=3
+    ),
+    "mirostat": SamplingParams(temperature=1.0, mirostat_tau=3.0, mirostat_eta=0.5, seed=5),
+    "dry": SamplingParams(temperature=0.7, dry_multiplier=1.0, dry_allowed_length=1, seed=9),
+    "processor": SamplingParams(temperature=1.0, logits_processor=recent_and_position, seed=13),
+}
+
+
+def every_other_call(source):
+    """`source`, but each sequence (told apart by its first token) is given drafts only on
+    every other call: rounds alternate between verification and plain multi-step calls."""
+    calls: dict[int, int] = {}
+
+    def alternating(tokens: list[int], k: int) -> list[int]:
+        calls[tokens[0]] = calls.get(tokens[0], 0) + 1
+        return source(tokens, k) if calls[tokens[0]] % 2 else []
+
+    return alternating
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_seeded_tokens_do_not_depend_on_the_round_kinds(model, name):
+    """A stateful sampler (mirostat's μ, DRY's and a processor's view of the history, penalty
+    counts) carries its state through verification rounds exactly as through decode steps:
+    rounds alternating verification and 3-step plain calls give each sequence the tokens
+    (and entropies) it gets alone without drafts."""
+    cfg, params = model
+    sampling = dataclasses.replace(STATEFUL[name], max_tokens=20, ignore_eos=True)
+
+    def research_run(prompts, max_drafts=0, source=None):
+        config = EngineConfig(
+            max_slots=4,
+            kv_bytes=1 << 20,
+            max_seq_len=96,
+            chunk_buckets=(8, 32),
+            min_ctx_pages=2,
+            decode_widths=(1, 2),
+            max_drafts=max_drafts,
+            decode_steps_per_call=3,
+            extra_samplers=True,
+            logits_processors=(recent_and_position,),
+        )
+        engine = Engine(cfg, params, eos_ids=[0], config=config, **({} if source is None else {"draft_source": source}))
+        seqs = [engine.add(p, sampling) for p in prompts]
+        kinds = []
+        while any(s.finish_reason is None for s in seqs):
+            handle = engine.launch()
+            kinds.append("verify" if handle.drafts else f"plain{handle.plan.steps}")
+            engine.collect(handle)
+        return seqs, kinds, engine
+
+    alone = [research_run([p])[0][0] for p in PROMPTS]
+    reference = {tuple(p): p + s.generated for p, s in zip(PROMPTS, alone)}
+    drafted, kinds, engine = research_run(PROMPTS, max_drafts=3, source=every_other_call(oracle(reference, 3)))
+    assert {"verify", "plain3"} <= set(kinds)
+    assert engine.draft_stats.accepted.sum() > 0  # some verification rounds emitted several tokens
+    for a, b in zip(alone, drafted):
+        assert b.generated == a.generated
+        np.testing.assert_allclose(b.entropies, a.entropies, atol=5e-3)
