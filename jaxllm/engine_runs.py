@@ -38,10 +38,18 @@ def kv_bytes(cfg: ModelConfig, n_seqs: int, length: int, page_size: int = 16, *,
 
 
 def research_engine(
-    model: Model, n_rows: int, longest: int, *, max_slots: int = 32, logits_processors: tuple = (), max_drafts: int = 0
+    model: Model,
+    n_rows: int,
+    longest: int,
+    *,
+    max_slots: int = 32,
+    logits_processors: tuple = (),
+    max_drafts: int = 0,
+    verify_cost: float | None = None,
 ) -> Engine:
     """An engine sized for `n_rows` sequences of up to `longest` positions, research samplers
-    on; `max_drafts` > 0: sequences draft by prompt lookup (see `EngineConfig.max_drafts`)."""
+    on; `max_drafts` > 0: sequences draft by prompt lookup (see `EngineConfig.max_drafts`,
+    `EngineConfig.verify_cost`)."""
     slots = max(1, min(n_rows, max_slots))
     longest = round_up(longest, 64)  # engines of similar runs share shapes, so compilations
     # Prompts are packed side by side into prefill chunks: on the CPU a comparison's many
@@ -56,6 +64,7 @@ def research_engine(
             extra_samplers=True,
             logits_processors=tuple(logits_processors),
             max_drafts=max_drafts,
+            verify_cost=verify_cost,
         )
     )
 
