@@ -34,6 +34,14 @@ from jaxllm.speculative import DraftControl, prompt_lookup
 from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row, pages_bucket
 
 
+# A verification round of 1 + 3 tokens a sequence, in steps of a plain multi-step decode
+# call, by backend (`EngineConfig.verify_cost`). GPU: an H100, 8B, batch 1, 11.17 ms against
+# 5.75 ms a step of an 8-step call (docs/benchmarks.md), 1.94. CPU: SmolLM2-135M shape at 256
+# context, 16 sequences, 3.83 steps of a 4-step call (bound by arithmetic; 2.07 at one
+# sequence, where the rule does not apply; docs/lab/spec-load.md).
+VERIFY_COST_STEPS = {"gpu": 2.0, "cpu": 3.8}
+
+
 class EngineFull(RuntimeError):
     """No free slot or not enough free pages right now (the caller should wait)."""
 
@@ -90,6 +98,10 @@ class EngineConfig:
     # decode rows padded to every slot and the whole context, prompts padded to the chunk, no
     # overlap of prefill and decode, no speculative decoding (docs/research.md).
     batch_invariant: bool = False
+    # A verification round's cost in steps of a plain multi-step decode call, which decides
+    # whether drafts pay at several decoding sequences (`Engine._verify_pays`); None: the
+    # figure measured on the default backend (`VERIFY_COST_STEPS`).
+    verify_cost: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "decode_steps_per_call", "chunk_segments"):
@@ -97,6 +109,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_drafts <= 16:
             raise ValueError(f"max_drafts must be in [0, 16], got {self.max_drafts}")
+        if self.verify_cost is not None and self.verify_cost <= 0:
+            raise ValueError(f"verify_cost must be > 0, got {self.verify_cost}")
         if (
             not self.chunk_buckets
             or list(self.chunk_buckets) != sorted(set(self.chunk_buckets))
@@ -302,6 +316,7 @@ class Engine:
         self.mtp_drafts = bool(
             config.max_drafts and not config.batch_invariant and cfg.mtp_layers and params.mtp is not None
         )
+        self.verify_cost = config.verify_cost or VERIFY_COST_STEPS["gpu" if jax.default_backend() == "gpu" else "cpu"]
         self._last_round = ""  # batch-invariant rounds alternate "chunk" and "decode"
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
@@ -717,8 +732,11 @@ class Engine:
             return self._launch_invariant(inputs, decoding, prefilling, snapshot)
 
         if not prefilling and self.config.max_drafts:
-            drafts = self._propose(decoding)
-            if drafts:
+            wanted = {s.slot: k for s in decoding if (k := self._wanted_drafts(s)) > 0}
+            # Drafting (prompt lookup over every sequence's text) only when it could pay.
+            drafts = self._propose(decoding, wanted) if wanted and self._verify_pays(decoding, wanted) else {}
+            planned = {slot: wanted[slot] if self.mtp_drafts else len(p) for slot, p in drafts.items()}
+            if drafts and self._verify_pays(decoding, planned):  # an MTP head proposes in the round
                 return self._launch_verify(inputs, decoding, drafts, snapshot)
 
         # Several steps per call only help unconstrained slots (a constrained one takes the
@@ -779,15 +797,20 @@ class Engine:
             )
         return Round(output=out, seqs=snapshot, plan=RoundPlan(prompts=prompts, decoding=_ids(decoding)))
 
-    def _propose(self, decoding: list[Sequence]) -> dict[int, list[int]]:
-        """Drafts for the decoding sequences whose every token is collected (drafts continue
-        the text the host has); {} when none has any."""
+    @staticmethod
+    def _wanted_drafts(s: Sequence) -> int:
+        """How many drafts a decoding sequence would verify next round: none unless it drafts
+        and every token of it is collected (drafts continue the text the host has)."""
+        if s.drafting is None or s.constraint is not None or len(s.generated) != s.dispatched + 1:
+            return 0
+        # Never past max_tokens (nor so past the reserved pages).
+        return max(0, min(s.drafting.wanted(), s.params.max_tokens - len(s.generated) - 1))
+
+    def _propose(self, decoding: list[Sequence], wanted: dict[int, int]) -> dict[int, list[int]]:
+        """Drafts for the sequences of `wanted` (slot -> most drafts); {} when none has any."""
         out: dict[int, list[int]] = {}
         for s in decoding:
-            if s.drafting is None or s.constraint is not None or len(s.generated) != s.dispatched + 1:
-                continue
-            # Never past max_tokens (nor so past the reserved pages).
-            k = min(s.drafting.wanted(), s.params.max_tokens - len(s.generated) - 1)
+            k = wanted.get(s.slot, 0)
             if k <= 0:
                 continue
             source = s.mtp_drafts if self.mtp_drafts else self.draft_source(s.prompt + s.generated, k)
@@ -795,6 +818,35 @@ class Engine:
             if proposal or self.mtp_drafts:  # an MTP model verifies with no drafts to get the head's first ones
                 out[s.slot] = proposal
         return out
+
+    def _verify_pays(self, decoding: list[Sequence], planned: dict[int, int]) -> bool:
+        """Whether a verification round with `planned` drafts (slot -> count) is expected to
+        emit more tokens per second than the plain decode call it replaces: drafting turned
+        down by load.
+
+        A verification round is one step for every decoding slot, drafts or not, and it costs
+        `verify_cost` steps of a plain call of `decode_steps_per_call` steps (an H100, 8B: 1.94
+        for 1 + 3 tokens). A plain call emits one token per decoding sequence each step; the
+        round emits 1 + a + ... + a^k for a sequence planning k drafts at its own acceptance
+        a so far (`DraftControl.expected_tokens`), 1 for one without. So with B decoding
+        sequences it verifies only when those tokens reach `verify_cost` x B. Without this,
+        64 concurrent 8B sequences on an H100 lost 31.4% of their throughput (5,158 -> 3,536
+        tok/s): prompt lookup rarely hits random prompts, but some sequence was always
+        retrying a lone draft, and its retry took everyone's 8-step call.
+
+        A single decoding sequence, or one-step calls, always verify: single-stream drafting
+        keeps its gains (2.31x on the CPU's edit workload; `DraftControl` turns it down when
+        its drafts miss). The tokens never depend on the choice: a verification round accepts
+        exactly what decoding would have drawn, stateful samplers included.
+        """
+        if self.config.decode_steps_per_call <= 1 or len(decoding) <= 1:
+            return True
+        expected = float(len(decoding) - len(planned))  # a sequence without drafts emits one token
+        for slot, k in planned.items():
+            control = self.seqs[slot].drafting
+            assert control is not None  # only sequences that draft plan drafts
+            expected += control.expected_tokens(k)
+        return expected >= self.verify_cost * len(decoding)
 
     def _launch_verify(
         self,

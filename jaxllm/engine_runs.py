@@ -46,9 +46,11 @@ def research_engine(
     logits_processors: tuple = (),
     max_drafts: int = 0,
     batch_invariant: bool = False,
+    verify_cost: float | None = None,
 ) -> Engine:
     """An engine sized for `n_rows` sequences of up to `longest` positions, research samplers
-    on; `max_drafts` > 0: sequences draft by prompt lookup (see `EngineConfig.max_drafts`).
+    on; `max_drafts` > 0: sequences draft by prompt lookup (see `EngineConfig.max_drafts`,
+    `EngineConfig.verify_cost`).
 
     `batch_invariant`: `EngineConfig.batch_invariant`, with a shape that does not follow the
     run (`max_slots` slots, `longest` rounded up to a power of two, at least 256): a row's
@@ -70,6 +72,7 @@ def research_engine(
             logits_processors=tuple(logits_processors),
             max_drafts=max_drafts,
             batch_invariant=batch_invariant,
+            verify_cost=verify_cost,
         )
     )
 

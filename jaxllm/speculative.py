@@ -33,6 +33,12 @@ def prompt_lookup(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngra
     return []
 
 
+# A sequence's acceptance before it has any of its own: optimistic (a new sequence must draft
+# to learn its rate), and worth this many checked drafts against what it then learns.
+PRIOR_ACCEPTANCE = 0.8
+PRIOR_CHECKS = 4
+
+
 @dataclasses.dataclass
 class DraftControl:
     """How many tokens one sequence drafts next.
@@ -48,6 +54,7 @@ class DraftControl:
     rest: int = 16
     proposed: int = 0  # drafts verified so far
     accepted: int = 0
+    checked: int = 0  # drafts compared with the model's token: the accepted ones and each first miss
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -63,9 +70,22 @@ class DraftControl:
             if self.resting == 0:
                 self.k = 1
 
+    def acceptance(self) -> float:
+        """The chance that this sequence's next draft is accepted once the ones before it
+        were: accepted over checked drafts (a round's drafts after its first miss are never
+        compared), pulled toward `PRIOR_ACCEPTANCE` while the sequence has few checks."""
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_CHECKS) / (self.checked + PRIOR_CHECKS)
+
+    def expected_tokens(self, drafts: int) -> float:
+        """Tokens a verification round with `drafts` drafts is expected to emit for this
+        sequence: 1 + a + a^2 + ... + a^drafts at its `acceptance` a."""
+        a = self.acceptance()
+        return sum(a**i for i in range(drafts + 1))
+
     def verified(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
+        self.checked += accepted + (accepted < proposed)
         if proposed == 0:
             return
         if accepted == proposed:

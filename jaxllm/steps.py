@@ -421,8 +421,11 @@ def _verify_round(
 
     # Position j draws the token after fed[:, j]; the earlier drafts count as generated tokens
     # there (penalties, min_tokens, max_tokens), as they would be had decoding produced them.
+    # So do the research samplers' state (mirostat's μ after the previous draw, the history
+    # DRY and logits processors read): a draw sees the state decoding would have given it.
     seen = state.seen.at[jnp.where(decoding, rows, B), state.last_token].set(True, mode="drop")
     out_counts = state.out_counts
+    sampling = state.sampling
     draws, stops = [], []
     for j in range(Tw):
         if j:
@@ -430,9 +433,12 @@ def _verify_round(
             live = decoding & (j <= n)
             seen = seen.at[jnp.where(live, rows, B), d].set(True, mode="drop")
             out_counts = out_counts.at[jnp.where(live, rows, B), d].add(1, mode="drop")
+            if sampling.extra is not None:
+                extra = samplers_extra.after_round(sampling.extra, draws[-1].extra, d, state.lengths + j, live)
+                sampling = sampling.replace(extra=extra)
         draw = sample(
             logits[:, j],
-            state.sampling,
+            sampling,
             seen,
             out_counts,
             state.n_generated + j,
@@ -464,6 +470,9 @@ def _verify_round(
     recurrent = state.recurrent
     if snapshots is not None and recurrent is not None:
         recurrent = snapshots.keep(recurrent, jnp.maximum(emitted, 1))
+    sampling = state.sampling
+    if sampling.extra is not None:
+        sampling = sampling.replace(extra=_extra_after_verify(sampling.extra, draws, tokens, state.lengths, sampled))
     new_state = state.replace(
         kv=kv,
         recurrent=recurrent,
@@ -473,6 +482,7 @@ def _verify_round(
         done=done,
         seen=seen,
         out_counts=out_counts,
+        sampling=sampling,
     )
     next_drafts = None
     if params.mtp is not None and cfg.mtp_layers:
@@ -492,9 +502,30 @@ def _verify_round(
         sampled=sampled.T,
         done=(steps_axis == last[None, :]) & done[None, :] & sampled.T,
         expert_tokens=jnp.zeros((Tw, *experts.shape), experts.dtype).at[0].set(experts),
+        entropy=None if draws[0].entropy is None else jnp.stack([d.entropy for d in draws]),
         next_drafts=next_drafts,
     )
     return new_state, out
+
+
+def _extra_after_verify(
+    before: samplers_extra.ExtraSampling,
+    draws: list,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    sampled: jax.Array,
+) -> samplers_extra.ExtraSampling:
+    """The research samplers' state after a verification round, as decoding would have left
+    it after the same tokens: each slot's μ from its last emitted draw, and every emitted
+    token ([B, Tw] `tokens` where `sampled`) in the history at its position."""
+    B, Tw = tokens.shape
+    rows = jnp.arange(B)
+    emitted = jnp.sum(sampled, axis=1)
+    mus = jnp.stack([d.extra.mu for d in draws], axis=1)  # [B, Tw] μ after each draw
+    mu = jnp.where(emitted > 0, mus[rows, jnp.maximum(emitted - 1, 0)], before.mu)
+    positions = lengths[:, None] + 1 + jnp.arange(Tw)[None, :]
+    history = before.history.at[jnp.where(sampled, rows[:, None], B), positions].set(tokens, mode="drop")
+    return before.replace(mu=mu, history=history)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts", "n_ctx_pages", "full_sampler"), donate_argnames=("state",))

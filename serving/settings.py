@@ -91,6 +91,10 @@ class EngineShape:
     # Speculative decoding: prompt-lookup drafts verified per sequence and round (0 = off);
     # a request's `drafts` may ask for fewer.
     max_drafts: int | None = None
+    # A verification round's cost in steps of a plain decode call, above which drafts at
+    # several decoding sequences must pay (None: the backend's measured figure;
+    # EngineConfig.verify_cost).
+    verify_cost: float | None = None
     # The research samplers (typical-p, epsilon, eta, top-nσ, DRY, XTC, mirostat) as request
     # fields: per-slot state rows and a costlier sampler in every round.
     extra_samplers: bool = False
@@ -137,6 +141,7 @@ class EngineShape:
             "chunk_segments",
             "chunk_decode_width",
             "max_drafts",
+            "verify_cost",
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
@@ -264,7 +269,13 @@ _MINIMUM: dict[str, float] = {
     "slots": 1,
     "context": 1,
 }
-_EXCLUSIVE_ZERO = {"prefill_chunk_seconds", "top_p", "body_seconds", "profile_max_seconds"}  # must be > 0
+_EXCLUSIVE_ZERO = {
+    "prefill_chunk_seconds",
+    "top_p",
+    "body_seconds",
+    "profile_max_seconds",
+    "verify_cost",
+}  # must be > 0
 
 
 def _check_value(name: str, value: Any, kind: Any, where: str) -> None:

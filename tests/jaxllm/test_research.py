@@ -263,13 +263,26 @@ def test_same_prompt_and_seed_give_the_same_tokens_whatever_the_batch(model, con
     ]
     half = len(neighbours) // 2
     rows = neighbours[:half] + targets + resumed + neighbours[half:]
-    engine = research_engine(model, concurrent, 48, logits_processors=PROCS, max_drafts=drafts)
+    # The GPU's verification cost: rounds alternate between verifying (while the drafts are
+    # expected to pay) and plain multi-step calls, so the targets' samplers cross both kinds.
+    engine = research_engine(model, concurrent, 48, logits_processors=PROCS, max_drafts=drafts, verify_cost=2.0)
     # Drafts in every round (the last token again, sometimes right), so verification rounds
     # carry the targets and their neighbours whatever the text.
     engine.draft_source = lambda tokens, k: [tokens[-1]] * k
+    rounds = []
+    launch = engine.launch
+
+    def recorded(**kw):
+        rounds.append(launch(**kw))
+        return rounds[-1]
+
+    engine.launch = recorded
     out = run_rows(model, engine, rows)
     assert [out[half + i].completion.token_ids for i in range(4)] == alone + alone
     assert (engine.draft_stats.proposed.sum() > 0) == (drafts > 0)
+    rounds = [r for r in rounds if r is not None]
+    assert any(r.plan.steps > 1 for r in rounds)  # plain multi-step calls...
+    assert any(r.drafts for r in rounds) == (drafts > 0)  # ...and verification rounds
 
 
 def test_task_checkers_score_right_and_wrong_answers():

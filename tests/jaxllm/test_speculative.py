@@ -6,7 +6,10 @@ a hybrid one (whose linear-attention state rolls back to the accepted length).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -87,6 +90,7 @@ def run(model, prompts, sampling, *, max_drafts=0, source=None, steps=1):
         decode_widths=(1, 2),
         max_drafts=max_drafts,
         decode_steps_per_call=steps,
+        verify_cost=2.0,  # the GPU's: the same rounds on any backend
     )
     engine = Engine(cfg, params, eos_ids=[0], config=config, **({} if source is None else {"draft_source": source}))
     seqs = [engine.add(p, sampling) for p in prompts]
@@ -126,7 +130,9 @@ def test_drafts_never_change_the_tokens(model, sampler, steps):
     stats = engine.draft_stats
     assert stats.accepted[:2].sum() > 0 and stats.accepted[2] == 0  # the third draft is always wrong
     assert rounds < plain_rounds or steps > 1
-    assert all(s.dispatched == len(s.generated) - 1 for s in drafted)
+    # Every position dispatched once; a plain call of several steps (taken when drafts are
+    # too few to pay for a verification round) may run past the last token by fewer than its steps.
+    assert all(len(s.generated) - 1 <= s.dispatched < len(s.generated) - 1 + steps for s in drafted)
 
 
 def test_random_drafts_over_many_seeds(model):
@@ -193,6 +199,7 @@ def test_no_compilation_after_warmup_with_drafts(model):
         max_drafts=3,
         decode_steps_per_call=2,
         warmup_runs=True,
+        verify_cost=1.0,  # every round with drafts verifies: both round kinds must be warm
     )
     engine = Engine(cfg, params, eos_ids=[0], config=config, draft_source=lambda tokens, k: tokens[-k:])
     engine.warmup()
@@ -223,3 +230,102 @@ def test_mtp_head_drafts_on_device_without_changing_tokens():
         assert engine.mtp_drafts
         assert [s.generated for s in drafted] == [s.generated for s in plain]
         assert engine.draft_stats.proposed[0] > 0  # the head drafted from the second round on
+
+
+def recent_and_position(logits: jax.Array, ctx) -> jax.Array:
+    """A user processor that reads its context: a position-dependent nudge, and the token
+    just before the one drawn (from the row's history) banned."""
+    ids = jnp.arange(logits.shape[0])
+    return logits + 0.5 * jnp.cos(ids + ctx.length) - 1e4 * (ids == ctx.tokens[ctx.length - 1])
+
+
+STATEFUL = {
+    "temperature": SamplingParams(temperature=1.0, seed=11),
+    "penalties": SamplingParams(
+        temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3, seed=3
+    ),
+    "mirostat": SamplingParams(temperature=1.0, mirostat_tau=3.0, mirostat_eta=0.5, seed=5),
+    "dry": SamplingParams(temperature=0.7, dry_multiplier=1.0, dry_allowed_length=1, seed=9),
+    "processor": SamplingParams(temperature=1.0, logits_processor=recent_and_position, seed=13),
+}
+
+
+def every_other_call(source):
+    """`source`, but each sequence (told apart by its first token) is given drafts only on
+    every other call: rounds alternate between verification and plain multi-step calls."""
+    calls: dict[int, int] = {}
+
+    def alternating(tokens: list[int], k: int) -> list[int]:
+        calls[tokens[0]] = calls.get(tokens[0], 0) + 1
+        return source(tokens, k) if calls[tokens[0]] % 2 else []
+
+    return alternating
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_seeded_tokens_do_not_depend_on_the_round_kinds(model, name):
+    """A stateful sampler (mirostat's μ, DRY's and a processor's view of the history, penalty
+    counts) carries its state through verification rounds exactly as through decode steps:
+    rounds alternating verification and 3-step plain calls give each sequence the tokens
+    (and entropies) it gets alone without drafts."""
+    cfg, params = model
+    sampling = dataclasses.replace(STATEFUL[name], max_tokens=20, ignore_eos=True)
+
+    def research_run(prompts, max_drafts=0, source=None):
+        config = EngineConfig(
+            max_slots=4,
+            kv_bytes=1 << 20,
+            max_seq_len=96,
+            chunk_buckets=(8, 32),
+            min_ctx_pages=2,
+            decode_widths=(1, 2),
+            max_drafts=max_drafts,
+            decode_steps_per_call=3,
+            extra_samplers=True,
+            logits_processors=(recent_and_position,),
+            verify_cost=1.0,  # every round with drafts verifies: the source alone alternates them
+        )
+        engine = Engine(cfg, params, eos_ids=[0], config=config, **({} if source is None else {"draft_source": source}))
+        seqs = [engine.add(p, sampling) for p in prompts]
+        kinds = []
+        while any(s.finish_reason is None for s in seqs):
+            handle = engine.launch()
+            kinds.append("verify" if handle.drafts else f"plain{handle.plan.steps}")
+            engine.collect(handle)
+        return seqs, kinds, engine
+
+    alone = [research_run([p])[0][0] for p in PROMPTS]
+    reference = {tuple(p): p + s.generated for p, s in zip(PROMPTS, alone)}
+    drafted, kinds, engine = research_run(PROMPTS, max_drafts=3, source=every_other_call(oracle(reference, 3)))
+    assert {"verify", "plain3"} <= set(kinds)
+    assert engine.draft_stats.accepted.sum() > 0  # some verification rounds emitted several tokens
+    for a, b in zip(alone, drafted):
+        assert b.generated == a.generated
+        np.testing.assert_allclose(b.entropies, a.entropies, atol=5e-3)
+
+
+def test_a_lone_draft_does_not_turn_a_wide_multi_step_round_into_a_verification(model):
+    """With several decoding sequences and several steps a call, a verification round (one
+    step for everyone) is launched only when the drafts are expected to give `verify_cost`
+    tokens a sequence: one sequence's lone retry never costs the others their multi-step
+    call, while a lone sequence still verifies its drafts."""
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    lone = lambda tokens, k: [tokens[-1]] if tokens[: len(PROMPTS[0])] == PROMPTS[0] else []  # noqa: E731
+    _, _, engine = run(model, PROMPTS, sampling, max_drafts=3, source=lone, steps=3)
+    assert engine.draft_stats.proposed.sum() == 0
+    _, _, engine = run(model, PROMPTS[:1], sampling, max_drafts=3, source=lone, steps=3)
+    assert engine.draft_stats.proposed.sum() > 0
+    everyone = lambda tokens, k: [tokens[-1]] * k  # noqa: E731
+    _, _, engine = run(model, PROMPTS, sampling, max_drafts=3, source=everyone, steps=3)
+    assert engine.draft_stats.proposed.sum() > 0
+
+
+def test_acceptance_counts_the_drafts_that_were_checked():
+    """A round's drafts after its first miss were never compared with the model's token, so
+    the rate is accepted over checked; with few checks it leans on the optimistic prior."""
+    c = DraftControl(most=3)
+    assert c.acceptance() == pytest.approx(0.8) and c.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.64)
+    for _ in range(40):
+        c.verified(3, 1)  # one accepted, then a miss: 2 checked of 3 proposed
+    assert c.checked == 80 and c.acceptance() == pytest.approx((40 + 3.2) / 84)
+    assert c.expected_tokens(0) == 1 and c.expected_tokens(3) < 2

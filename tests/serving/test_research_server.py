@@ -29,6 +29,7 @@ kv_mib = 8
 max_seq_len = 256
 chunk_buckets = [64]
 max_drafts = 2
+verify_cost = 1.0  # every round with drafts verifies (the CPU's load rule would not at width): the target shares them
 extra_samplers = true
 """
 
