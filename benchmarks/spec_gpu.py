@@ -44,27 +44,52 @@ class ForcedDraft(DraftControl):
         self.accepted += accepted
 
 
-def spec_engine(cfg, opts: RuntimeOptions, params, *, slots: int, drafts: int, steps: int, forced: bool) -> Engine:
+def spec_engine(
+    cfg, opts: RuntimeOptions, params, *, slots: int, drafts: int, steps: int, forced: bool, always_verify: bool = False
+) -> Engine:
     """`gpu_engine.engine_for`'s engine with `max_drafts` = drafts; `forced`: a constant
-    proposal of every wanted draft for models without an MTP head."""
+    proposal of every wanted draft for models without an MTP head; `always_verify`: every
+    round with drafts verifies (a verify cost near zero), to time verification at width."""
     config = engine_config(cfg, opts, slots=slots, max_seq_len=2048 + 64, chunk=1024, steps=steps, max_drafts=drafts)
+    if always_verify:
+        config = dataclasses.replace(config, verify_cost=1e-3)
     kw = {"draft_source": lambda tokens, k: [tokens[-1]] * k} if forced else {}
     return Engine(cfg, params, eos_ids=[], config=config, options=opts, **kw)
 
 
-def rounds_per_second(eng: Engine, rounds: int) -> tuple[float, float]:
+def rounds_per_second(eng: Engine, rounds: int, log: list | None = None) -> tuple[float, float]:
     """(seconds per `eng.step()`, tokens emitted a round) over `rounds` synchronous rounds,
-    leaving out rounds over 4x the median (a compile of a variant first met here)."""
-    times, tokens = [], []
+    leaving out rounds over 4x the median (a compile of a variant first met here). `log`
+    gets each kept round's (seconds, tokens, decoding sequences)."""
+    times, tokens, widths = [], [], []
     for _ in range(rounds):
         before = sum(len(q.generated) for q in eng.seqs.values())
+        widths.append(sum(q.prefilled >= len(q.prompt) for q in eng.seqs.values()))
         t = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t)
         tokens.append(sum(len(q.generated) for q in eng.seqs.values()) - before)
     cut = 4 * statistics.median(times)
-    kept = [(t, n) for t, n in zip(times, tokens) if t <= cut]
-    return sum(t for t, _ in kept) / len(kept), sum(n for _, n in kept) / len(kept)
+    kept = [(t, n, b) for t, n, b in zip(times, tokens, widths) if t <= cut]
+    if log is not None:
+        log.extend(kept)
+    return sum(t for t, _, _ in kept) / len(kept), sum(n for _, n, _ in kept) / len(kept)
+
+
+def round_kinds(log: list, steps: int) -> str:
+    """The wide case's rounds by kind: a plain call emits `steps` tokens for each decoding
+    sequence, a verification round between 1 and 1 + drafts; the verify round's cost in steps
+    of a plain call at this width is what `EngineConfig.verify_cost` must say."""
+    plain = [t for t, n, b in log if n == steps * b]
+    verify = [(t, n / max(b, 1)) for t, n, b in log if n != steps * b]
+    if not plain or not verify:
+        return f"{len(plain)} plain calls, {len(verify)} verification rounds"
+    step = statistics.median(plain) / steps
+    v = statistics.median(t for t, _ in verify)
+    return (
+        f"{len(plain)} plain calls ({step * 1e3:.2f} ms a step), {len(verify)} verification rounds "
+        f"({v * 1e3:.2f} ms = {v / step:.2f} steps, {statistics.mean(n for _, n in verify):.2f} tokens a sequence)"
+    )
 
 
 def main() -> None:
@@ -121,11 +146,31 @@ def main() -> None:
             prefill(eng, prompts, max_tokens=400)
             for _ in range(10):  # compiles, and lets the draft control settle
                 eng.step()
-            s, emitted = rounds_per_second(eng, 24)
+            log: list = []
+            s, emitted = rounds_per_second(eng, 24, log)
+            if drafts == 0:
+                plain_round = s
             rates[drafts] = emitted / s
             print(
                 f"WIDE {name} {args.wide} concurrent, max_drafts={drafts}: {rates[drafts]:.0f} output tok/s "
-                f"({s * 1e3:.2f} ms a round)",
+                f"({s * 1e3:.2f} ms a round; {round_kinds(log, args.steps)})",
+                flush=True,
+            )
+            eng = None
+        if "wide_cost" in args.cases.split(","):  # every round a verification of 1 + k forced drafts
+            eng = spec_engine(
+                cfg, opts, params, slots=args.wide, drafts=k, steps=args.steps, forced=True, always_verify=True
+            )
+            for q in prefill(eng, prompts, max_tokens=400):
+                q.drafting = ForcedDraft(most=k)
+            for _ in range(6):
+                eng.step()
+            log = []
+            rounds_per_second(eng, 12, log)
+            v = statistics.median(t for t, _, _ in log)
+            print(
+                f"WIDE {name} {args.wide} concurrent: a verification round of 1+{k} {v * 1e3:.2f} ms = "
+                f"{v / (plain_round / args.steps):.2f} steps of a {args.steps}-step call",
                 flush=True,
             )
             eng = None
