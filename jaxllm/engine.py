@@ -30,7 +30,7 @@ from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.model.kernel_choice import plain_sampler_pays
 from jaxllm.params import Params
 from jaxllm.sampling import SamplingParams, needs_full_sampler, sampling_row, seed_to_u32
-from jaxllm.speculative import DraftControl, prompt_lookup
+from jaxllm.speculative import DraftControl, NgramIndex, prompt_lookup
 from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row, pages_bucket
 
 
@@ -151,6 +151,7 @@ class Sequence:
     # round stopped, so prefix-cache checkpoints of hybrid models are taken there.
     stops: list[int] = dataclasses.field(default_factory=list)
     drafting: DraftControl | None = None  # None: this sequence does not draft
+    lookup: NgramIndex | None = None  # its prompt-lookup index (`Engine._lookup`)
     verifying: int = 0  # tokens an in-flight verification round may emit (collect settles it)
     mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the head's drafts for the next round
 
@@ -514,7 +515,7 @@ class Engine:
         ckpt = self.extract(seq)
         self.remove(seq)
         return PausedSequence(
-            checkpoint=ckpt, sequence=dataclasses.replace(seq, pages=[], generated=list(seq.generated))
+            checkpoint=ckpt, sequence=dataclasses.replace(seq, pages=[], generated=list(seq.generated), lookup=None)
         )
 
     def resume(self, paused: PausedSequence) -> Sequence:
@@ -806,6 +807,19 @@ class Engine:
         # Never past max_tokens (nor so past the reserved pages).
         return max(0, min(s.drafting.wanted(), s.params.max_tokens - len(s.generated) - 1))
 
+    @staticmethod
+    def _lookup(s: Sequence) -> NgramIndex:
+        """The sequence's prompt-lookup index, brought up to its prompt and output so far
+        (built afresh if the text no longer extends what it indexed)."""
+        have = len(s.lookup.tokens) if s.lookup is not None else 0
+        if s.lookup is None or have > len(s.prompt) + len(s.generated):
+            s.lookup, have = NgramIndex(), 0
+        if have < len(s.prompt):
+            s.lookup.extend(s.prompt[have:])
+            have = len(s.prompt)
+        s.lookup.extend(s.generated[have - len(s.prompt) :])
+        return s.lookup
+
     def _propose(self, decoding: list[Sequence], wanted: dict[int, int]) -> dict[int, list[int]]:
         """Drafts for the sequences of `wanted` (slot -> most drafts); {} when none has any."""
         out: dict[int, list[int]] = {}
@@ -813,7 +827,12 @@ class Engine:
             k = wanted.get(s.slot, 0)
             if k <= 0:
                 continue
-            source = s.mtp_drafts if self.mtp_drafts else self.draft_source(s.prompt + s.generated, k)
+            if self.mtp_drafts:
+                source = s.mtp_drafts
+            elif self.draft_source is prompt_lookup:
+                source = self._lookup(s).propose(k)
+            else:
+                source = self.draft_source(s.prompt + s.generated, k)
             proposal = list(source)[:k]
             if proposal or self.mtp_drafts:  # an MTP model verifies with no drafts to get the head's first ones
                 out[s.slot] = proposal

@@ -17,7 +17,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
-from jaxllm.speculative import DraftControl, prompt_lookup
+from jaxllm.speculative import DraftControl, NgramIndex, prompt_lookup
 
 DENSE = ModelConfig(
     family="llama",
@@ -170,6 +170,21 @@ def test_prompt_lookup_takes_the_latest_longest_match():
     assert prompt_lookup([1, 2, 3, 4], 3) == []
     assert prompt_lookup([5, 5, 5, 5], 2) == [5]  # only what exists after the match
     assert prompt_lookup(tokens, 0) == []
+
+
+def test_the_incremental_index_proposes_what_prompt_lookup_does():
+    """Grown a few tokens at a time over small vocabularies (many repeats), the index's
+    proposal equals a full scan's at every length and draft count."""
+    rng = np.random.default_rng(0)
+    for vocab in (2, 3, 5, 50):
+        tokens = rng.integers(0, vocab, 300).tolist()
+        index, at = NgramIndex(), 0
+        while at < len(tokens):
+            step = int(rng.integers(1, 5))
+            index.extend(tokens[at : at + step])
+            at += step
+            for k in (1, 3, 6):
+                assert index.propose(k) == prompt_lookup(tokens[:at], k), (vocab, at, k)
 
 
 def test_draft_control_turns_itself_down_and_back_up():
