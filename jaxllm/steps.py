@@ -27,7 +27,7 @@ from jaxllm.model.mtp import mtp_draft
 from jaxllm.model.kernel_choice import matmul_kernel, sampler_branches
 from jaxllm import samplers_extra
 from jaxllm.params import Params
-from jaxllm.sampling import sample
+from jaxllm.sampling import Sampled, sample
 from jaxllm.state import DecodeState, KVCache, RecurrentState, SeqCheckpoint, SlotSampling, StateLayout, init_state
 
 
@@ -426,7 +426,8 @@ def _verify_round(
     seen = state.seen.at[jnp.where(decoding, rows, B), state.last_token].set(True, mode="drop")
     out_counts = state.out_counts
     sampling = state.sampling
-    draws, stops = [], []
+    draws: list[Sampled] = []
+    stops: list[jax.Array] = []
     for j in range(Tw):
         if j:
             d = drafts.tokens[:, j - 1]
