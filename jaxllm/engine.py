@@ -752,22 +752,7 @@ class Engine:
             width = self._decode_width(decoding)
             # Slots that are not decoding draw nothing, so only the decoding ones decide.
             full = not plain_sampler_pays(self.options) or any(needs_full_sampler(s.params) for s in decoding)
-            compiled = self._compiled.get(("decode", n, ctx, width, full))
-            if compiled is not None:
-                self.state, out = compiled(self.params, self.state, inputs)
-            else:
-                self.state, out = steps.decode_steps(
-                    self.params,
-                    self.state,
-                    inputs,
-                    cfg=self.cfg,
-                    opts=self.options,
-                    n_steps=n,
-                    n_ctx_pages=ctx,
-                    decode_width=width,
-                    full_sampler=full,
-                )
-            return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), steps=n, multi=True))
+            return self._decode_call(inputs, decoding, snapshot, n, ctx, width, full)
 
         max_chunk = self.config.chunk_buckets[-1]
         budget = max_chunk if prefill_budget is None else max(1, min(prefill_budget, max_chunk))
@@ -966,7 +951,20 @@ class Engine:
         self._constrain(inputs, decoding)
         for s in decoding:
             s.dispatched += 1 if s.constraint is not None else n
-        compiled = self._compiled.get(("decode", n, ctx, B, True))
+        return self._decode_call(inputs, decoding, snapshot, n, ctx, B, True)
+
+    def _decode_call(
+        self,
+        inputs: steps.RoundInputs,
+        decoding: list[Sequence],
+        snapshot: dict[int, Sequence],
+        n: int,
+        ctx: int,
+        width: int,
+        full: bool,
+    ) -> Round:
+        """A decode call of `n` steps at one static shape: the warmed-up executable, or `jit`."""
+        compiled = self._compiled.get(("decode", n, ctx, width, full))
         if compiled is not None:
             self.state, out = compiled(self.params, self.state, inputs)
         else:
@@ -978,8 +976,8 @@ class Engine:
                 opts=self.options,
                 n_steps=n,
                 n_ctx_pages=ctx,
-                decode_width=B,
-                full_sampler=True,
+                decode_width=width,
+                full_sampler=full,
             )
         return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), steps=n, multi=True))
 
