@@ -53,6 +53,21 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512),
             registry=r,
         )
+        # Worker-side latencies (vLLM's request_queue_time / time_to_first_token): arrival at
+        # the worker to the first launch carrying the prompt, and to the first frame flushed.
+        latency_buckets = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+        self.queue_time = Histogram(
+            "jaxllm_request_queue_seconds",
+            "Arrival to the first round carrying the prompt",
+            buckets=latency_buckets,
+            registry=r,
+        )
+        self.first_token_time = Histogram(
+            "jaxllm_time_to_first_token_seconds",
+            "Arrival to the first token handed to the handler",
+            buckets=latency_buckets,
+            registry=r,
+        )
         self.queued = Gauge("jaxllm_queued_requests", "Requests waiting for admission", registry=r)
         self.active = Gauge("jaxllm_active_requests", "Requests admitted", registry=r)
         self.reserved_bytes = Gauge("jaxllm_reserved_state_bytes", "Bytes reserved by admitted requests", registry=r)

@@ -60,6 +60,8 @@ class RequestView:
     prefill_seconds: float
     decode_seconds: float
     context: int = 0  # its longest choice's positions in the cache
+    queued_seconds: float | None = None  # arrival -> the first round carrying its prompt
+    first_token_seconds: float | None = None  # arrival -> its first token handed to the handler
 
     def state(self) -> dict[str, Any]:
         """Its entry in /v1/state's "active"."""
@@ -77,6 +79,8 @@ class RequestView:
             },
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "queued_seconds": self.queued_seconds,
+            "first_token_seconds": self.first_token_seconds,
         }
 
 
@@ -116,6 +120,11 @@ def report_lines(r: RequestView, pool: PoolUse) -> list[str]:
         f"({_rate(decode, r.decode_seconds)} tok/s) | ctx {r.context}/{pool.max_context} "
         f"({100 * r.context / max(pool.max_context, 1):.0f}% full) | kv cache {used}/{total} pages "
         f"({100 * used / max(total, 1):.0f}% full)"
+        + (
+            f" | first token {1e3 * r.first_token_seconds:.1f} ms (queued {1e3 * (r.queued_seconds or 0.0):.1f} ms)"
+            if r.first_token_seconds is not None
+            else ""
+        )
     ]
     if pool.recurrent_bytes:
         live = pool.live_sequences

@@ -147,6 +147,8 @@ class Active:
     cached_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    first_launch: float | None = None  # clock of the first round carrying its prompt
+    first_token: float | None = None  # clock at which its first token was handed on
     failed: bool = False
     fork_at: int | None = None  # n > 1: the other choices fork from choice 0 once it prefilled this many tokens
 
@@ -178,6 +180,8 @@ class Active:
             generated_tokens=self.generated_tokens,
             prefill_seconds=self.prefill_seconds,
             decode_seconds=self.decode_seconds,
+            queued_seconds=None if self.first_launch is None else self.first_launch - self.job.arrived,
+            first_token_seconds=None if self.first_token is None else self.first_token - self.job.arrived,
             context=max((c.seq.length if c.seq is not None else 0) for c in self.choices),
         )
 
@@ -471,6 +475,10 @@ class Scheduler:
             self._round_failed(members, e)
             return None
         prefillers = {id(a): a for a in (self.by_seq[p.seq_id][0] for p in advanced)}  # n > 1 share a request
+        for a in prefillers.values():
+            if a.first_launch is None:
+                a.first_launch = started
+                self.metrics.queue_time.observe(started - a.job.arrived)
         return InFlight(
             handle=handle,
             members=members,
@@ -575,6 +583,9 @@ class Scheduler:
     # ---- tokens -> text -> frames ------------------------------------------------------
     def _on_tokens(self, a: Active, c: Choice, ev: Any) -> None:
         self.metrics.generated_tokens.inc(len(ev.tokens))
+        if a.first_token is None and len(ev.tokens):
+            a.first_token = self.clock()
+            self.metrics.first_token_time.observe(a.first_token - a.job.arrived)
         try:
             for frame in c.text.feed(ev.tokens, ev.logprobs, ev.top_logprobs, ev.finish_reason):
                 a.job.output.add(frame)

@@ -179,10 +179,11 @@ def derive_engine(
 
     CPU: prefill is compute-bound, so chunk buckets at most double one another (little padding
     thrown away); few decode steps per call; one prompt per chunk (packing multiplies the
-    reference attention's cost); past 4 slots a one-row decode part for a lone request. GPU: a small model is launch-bound, so more decode steps per
-    call; the paged decode kernel reads only live pages, so one context bucket (fewer compiled
-    variants, nothing lost); with many slots, prompts packed four to a chunk, chunk rounds
-    compiled at the full decode width only, and a narrower decode part for low occupancy.
+    reference attention's cost); past 4 slots a one-row decode part for a lone request. GPU: a
+    small model is launch-bound, so more decode steps per call; the paged decode kernel reads
+    only live pages, so one context bucket (fewer compiled variants, nothing lost); with many
+    slots, doubling chunk buckets with prompts packed four to a chunk, chunk rounds compiled at
+    the full decode width only, and a narrower decode part for low occupancy.
 
     Args:
       slots, context, kv_mib, backend ("cpu" or "gpu"): the user settings; kv_mib 0 sizes the
@@ -196,7 +197,9 @@ def derive_engine(
         top = min(4096, max(512, 64 * slots))
         shapes: dict[str, Any] = dict(
             chunk_segments=4 if many else 1,
-            chunk_buckets=(top // 8, top // 2, top) if many else (32, 128, min(top, max(context, 128))),
+            # Doubling buckets: a lone 1k prompt pads to 1024 rows, not 2048 (its first token
+            # waited on a 2k prompt's FLOPs: docs/lab/2026-12.md, 8B TTFT).
+            chunk_buckets=tuple(top >> k for k in (3, 2, 1, 0)) if many else (32, 128, min(top, max(context, 128))),
             decode_steps_per_call=16 if slots <= 16 else 8,
             decode_widths=(1, slots // 8) if slots > 8 else (1,),
             chunk_decode_width=slots if many else 0,

@@ -290,6 +290,29 @@ def test_round_time_counts_a_launch_that_blocks(loop):
     assert sched.pacer.rate == pytest.approx(4 / 0.25)
 
 
+def test_queue_time_and_first_token_time_are_worked_out_from_arrival(loop, caplog):
+    """A request that arrives, waits 0.1 s for the worker, then rides a prompt round that
+    blocks 0.25 s: queued 100 ms, first token 350 ms, in the histograms and its report line."""
+    sched, engine, clock = make(Limits())
+    launch = engine.launch
+
+    def blocking_launch(**kw):
+        handle = launch(**kw)
+        clock.t += 0.25
+        return handle
+
+    engine.launch = blocking_launch
+    job(sched, loop, "timed", prompt_len=4, max_tokens=2)
+    clock.t += 0.1
+    with caplog.at_level("INFO", logger="jaxllm.serve"):
+        run_until_idle(sched)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serve timed: prefill")]
+    assert line.endswith("| first token 350.0 ms (queued 100.0 ms)"), line
+    for name, value in (("jaxllm_request_queue_seconds", 0.1), ("jaxllm_time_to_first_token_seconds", 0.35)):
+        assert sched.metrics.registry.get_sample_value(f"{name}_count") == 1
+        assert sched.metrics.registry.get_sample_value(f"{name}_sum") == pytest.approx(value)
+
+
 def test_budget_and_active_cap_admission_order(loop):
     sched, engine, _ = make(Limits(active_requests=2, active_state_mib=1))
     budget = 1 << 20

@@ -30,7 +30,7 @@ def test_gpu_shapes_scale_with_slots():
     assert small.chunk_buckets == (32, 128, 512) and small.decode_steps_per_call == 16
     assert small.min_ctx_pages == 2048 // 16  # one context bucket
     big = derive_engine(slots=64, context=2176, kv_mib=24000, backend="gpu")
-    assert big.chunk_buckets == (512, 2048, 4096) and big.chunk_segments == 4
+    assert big.chunk_buckets == (512, 1024, 2048, 4096) and big.chunk_segments == 4
     assert (big.decode_widths, big.chunk_decode_width, big.decode_steps_per_call) == ((1, 8), 64, 8)
     assert big.min_ctx_pages == 136
 
