@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark plan in one script (an H200 with JAX 0.11 + CUDA plugin, no network).
 # Usage (repo root, with the wheels of the packages the machine lacks in .whl/):
-#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|decode|kv8|moe|moe_engine|hybrid|spec|gemv][,...] [OUT_DIR]
+#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|decode|kv8|moe|moe_engine|hybrid|spec|gemv|explain|prefill_profile][,...] [OUT_DIR]
 # Installs the project without touching the machine's jax (--no-deps --no-index), then runs
 # the engine cases (benchmarks/gpu_engine.py) and/or the server cases (jaxllm bench-serve
 # against `jaxllm serve --load-format dummy`), printing one table each.
@@ -134,6 +134,18 @@ if [[ $what == explain ]]; then
     timeout ${PROFILE_S:-150} python3 benchmarks/profile_step.py --config $c --layers ${EXPLAIN_LAYERS:-8} --dtype bfloat16 \
       --steps 8 --calls 2 --top ${EXPLAIN_TOP:-14} --explain --out "$out/explain-$(basename $c .json)" 2>&1 | grep -v "^W0\|^I0"
     rm -rf "$out"/explain-*/raw "$out"/explain-*/hlo
+  done
+fi
+
+# Where a prompt round's time goes (the TTFT targets of issues 17 and 18): a lone fresh
+# prompt at the GPU server's derived shapes, the top kernels named from the optimized HLO.
+if [[ $what == prefill_profile ]]; then
+  for spec in ${PREFILL_PROFILES:-configs/llama3-8b.json:1024:64:0 configs/qwen3.5-35b-a3b.json:2048:16:8}; do
+    IFS=: read -r c tokens slots layers <<< "$spec"
+    timeout ${PROFILE_S:-200} python3 benchmarks/profile_step.py --config $c --layers $layers --dtype bfloat16 \
+      --prefill $tokens --slots $slots --calls 4 --top ${EXPLAIN_TOP:-16} --explain \
+      --out "$out/prefill-$(basename $c .json)" 2>&1 | grep -v "^W0\|^I0"
+    rm -rf "$out"/prefill-*/raw "$out"/prefill-*/hlo
   done
 fi
 

@@ -27,7 +27,7 @@ import time
 import jax
 import numpy as np
 
-from gpu_engine import CTX, engine_for, prefill  # noqa: E402  (benchmarks/ is on sys.path when run)
+from gpu_engine import CTX, GREEDY, engine_for, prefill  # noqa: E402  (benchmarks/ is on sys.path when run)
 from jaxllm.config import load_config_json
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.params import layout_params
@@ -129,6 +129,15 @@ def main() -> None:
     ap.add_argument("--sampler-branches", default="auto", choices=["auto", "cond", "select"])
     ap.add_argument("--layers", type=int, default=0, help="keep this many layers (0: the config's)")
     ap.add_argument("--explain", action="store_true", help="name what each top fusion computes (HLO dump)")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="trace prompt rounds of this many tokens instead (a fresh prompt each, at the GPU "
+        "server's derived shapes for --slots slots: doubling chunk buckets, packed segments, a "
+        "full-width decode part)",
+    )
+    ap.add_argument("--slots", type=int, default=64, help="with --prefill: the server's slots")
     args = ap.parse_args()
 
     cfg = load_config_json(args.config)
@@ -139,6 +148,9 @@ def main() -> None:
         dtype=args.dtype, scan_layers=False, decode_matmul=args.decode_matmul, sampler_branches=args.sampler_branches
     )
     params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers, consume=True)
+    if args.prefill:
+        profile_prefill(cfg, opts, params, args)
+        return
     eng = engine_for(cfg, opts, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
     prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
     for _ in range(3):  # warm: every decode shape of the traced calls is compiled
@@ -155,6 +167,49 @@ def main() -> None:
     trace = sorted(glob.glob(args.out + "/raw/**/*.trace.json.gz", recursive=True))[-1]
     shutil.copy(trace, args.out + "/trace.json.gz")
     summarize(trace, n_steps, args.top)
+
+
+def profile_prefill(cfg, opts: RuntimeOptions, params, args: argparse.Namespace) -> None:
+    """Traces `--calls` prompt rounds of `--prefill` tokens, each a fresh sequence, on an engine
+    shaped as `jaxllm serve` derives it on a GPU (serving/settings.py, derive_engine)."""
+    from jaxllm.state import kv_bytes_per_page
+    from jaxllm.engine import Engine
+    from jaxllm.sampling import SamplingParams
+    from serving.settings import derive_engine
+
+    context = 2176
+    config = derive_engine(
+        slots=args.slots,
+        context=context,
+        kv_mib=0,
+        backend="gpu",
+        kv_bytes_per_position=kv_bytes_per_page(cfg, 16, opts) // 16,
+    )
+    eng = Engine(cfg, params, eos_ids=[], config=config, options=opts)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prefill).tolist()
+
+    def one_round():
+        seq = eng.add(prompt, SamplingParams(max_tokens=1, **GREEDY))
+        handle = eng.launch()
+        eng.collect(handle)
+        eng.remove(seq)
+
+    for _ in range(3):
+        one_round()
+    shutil.rmtree(args.out + "/raw", ignore_errors=True)
+    jax.profiler.start_trace(args.out + "/raw", create_perfetto_trace=True)
+    t = time.perf_counter()
+    for _ in range(args.calls):
+        one_round()
+    wall = time.perf_counter() - t
+    jax.profiler.stop_trace()
+    print(
+        f"{args.config} {args.dtype}: prompt round of {args.prefill} tokens (buckets {config.chunk_buckets}, "
+        f"{args.slots} slots): {wall / args.calls * 1e3:.2f} ms a round traced"
+    )
+    trace = sorted(glob.glob(args.out + "/raw/**/*.trace.json.gz", recursive=True))[-1]
+    shutil.copy(trace, args.out + "/trace.json.gz")
+    summarize(trace, args.calls, args.top)
 
 
 if __name__ == "__main__":

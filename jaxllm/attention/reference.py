@@ -35,6 +35,7 @@ def paged_attention(
     *,
     window_len: int,
     n_ctx_pages: int,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Attention of windowed queries over paged K/V written before this round plus the
     window's own new K/V (causal). The cache is only read here: the caller writes this
@@ -44,7 +45,9 @@ def paged_attention(
       q: [T, H, Dh] queries of the whole flat batch.
       k_new, v_new: [T, K, Dh] this round's keys and values.
       positions: [T] absolute position of each token.
-      k_pages, v_pages: [P, page, K, Dh] one layer's page pool (earlier rounds' K/V).
+      k_pages, v_pages: [P, page, K, Dh] one layer's page pool (earlier rounds' K/V), or with
+        `layer` the whole [L, P, page, K, Dh] cache, read at that layer by the page gather
+        itself (a slice of it first would be a copy of the layer where XLA does not fuse it).
       page_table: [rows, max_pages] page ids per slot.
       windows: which tokens form each window (one slot per window).
       window_len: static Q.
@@ -54,10 +57,10 @@ def paged_attention(
       [T, H, Dh]: each windowed token's attention output; tokens in no window get zeros.
     """
     T, H, Dh = q.shape
-    K = k_pages.shape[2]
+    K = k_pages.shape[-2]
     G = H // K
     W = windows.slot.shape[0]
-    page = k_pages.shape[1]
+    page = k_pages.shape[-3]
     S = n_ctx_pages * page
 
     offsets = jnp.arange(window_len)
@@ -71,8 +74,9 @@ def paged_attention(
     first_pos = qpos[:, :1]  # [W, 1]: cache positions before it were written by earlier rounds
 
     pages = page_table[windows.slot, :n_ctx_pages]  # [W, n]
-    k = k_pages[pages].reshape(W, S, K, Dh).astype(q.dtype)
-    v = v_pages[pages].reshape(W, S, K, Dh).astype(q.dtype)
+    at = pages if layer is None else (layer, pages)
+    k = k_pages[at].reshape(W, S, K, Dh).astype(q.dtype)
+    v = v_pages[at].reshape(W, S, K, Dh).astype(q.dtype)
 
     scale = Dh**-0.5
     cached = jnp.einsum("wqkgd,wskd->wkgqs", qw, k, preferred_element_type=jnp.float32) * scale

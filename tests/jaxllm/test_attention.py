@@ -69,9 +69,13 @@ def test_chunk_attention_picks_a_correct_path_either_way():
             w = args[-1]
             args = (*args[:-1], w.replace(length=w.length.at[1].set(0)))
         ref = paged_attention(*args, window_len=10, n_ctx_pages=5)
+        q, k_new, v_new, positions, k_pages, v_pages, page_table, windows = args
+        # The whole cache goes in (layer 1 of 2; layer 0 is noise the branch must not read).
+        k_cache, v_cache = jnp.stack([-k_pages, k_pages]), jnp.stack([v_pages * 3, v_pages])
         got = jax.jit(chunk_attention, static_argnames=("window_len", "n_ctx_pages", "implementation"))(
-            *args, window_len=10, n_ctx_pages=5, implementation="xla"
-        )
+            q, k_new, v_new, positions, k_cache, v_cache, 1, page_table, windows,
+            window_len=10, n_ctx_pages=5, implementation="xla",
+        )  # fmt: skip
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
