@@ -22,8 +22,10 @@ import numpy as np
 from jaxllm.config import load_config_json
 from jaxllm.costs import model_costs
 from jaxllm.engine import Engine, EngineConfig
+from jaxllm.loading import runtime_layout
+from jaxllm.model.kernel_choice import debug_overrides
 from jaxllm.loading.dummy import dummy_params
-from jaxllm.params import layout_params, unfuse_projections
+from jaxllm.params import OutIn, in_out_weights, out_in_weights, unfuse_projections
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import kv_bytes_per_page
@@ -88,6 +90,16 @@ def engine_config(
         decode_steps_per_call=steps,
         **kw,
     )
+
+
+def unfused(params):
+    """`params` with one matrix per projection, in the same weight layout."""
+    flat = unfuse_projections(in_out_weights(params))
+    return out_in_weights(flat) if flat is not params and _has_out_in(params) else flat
+
+
+def _has_out_in(params) -> bool:
+    return any(isinstance(x, OutIn) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, OutIn)))
 
 
 def engine_for(cfg, opts: RuntimeOptions, params, *, slots: int, max_seq_len: int, chunk: int, steps: int) -> Engine:
@@ -158,10 +170,10 @@ def main() -> None:
         print("kernel parity", results["cudnn_vs_reference_rel_err"], flush=True)
 
     cfg = load_config_json(args.config)
-    opts = RuntimeOptions(dtype=args.dtype, scan_layers=args.scan, kv_dtype=args.kv_dtype)
+    opts = RuntimeOptions(dtype=args.dtype, scan_layers=args.scan, kv_dtype=args.kv_dtype).replace(**debug_overrides())
     results["kv_dtype"] = args.kv_dtype
     t = time.perf_counter()
-    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers, consume=True)
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts)
     jax.block_until_ready(params)
     results["load_s"] = time.perf_counter() - t
     costs = model_costs(cfg, params, opts)
@@ -182,8 +194,11 @@ def main() -> None:
         [(args.steps, "auto", "xla", True, "xla", "auto")] if "anorm" in cases else []
     )  # XLA's norms, not the kernel's
     runs += [(args.steps, "auto", "xla", True, "auto", "cond")] if "acond" in cases else []  # the sampler's lax.conds
+    runs += (
+        [(args.steps, "auto", "xla", "in_out", "auto", "auto")] if "a_inout" in cases else []
+    )  # projections in the canonical [in, out] layout (RuntimeOptions.weight_layout)
     for steps, attention, matmul, fused, norm, branches in runs:
-        run_params = params if fused else unfuse_projections(params)
+        run_params = params if fused is True else unfused(params) if fused is False else in_out_weights(params)
         run_opts = opts.replace(
             decode_attention=attention, decode_matmul=matmul, decode_norm=norm, sampler_branches=branches
         )
@@ -199,7 +214,7 @@ def main() -> None:
             + ("" if attention == "auto" else f"_{attention}")
             + ("" if matmul == "xla" else f"_{matmul}")
         )
-        tag += "" if fused else "_unfused"
+        tag += "" if fused is True else "_unfused" if fused is False else "_in_out"
         tag += "" if norm == "auto" else f"_norm_{norm}"
         tag += "" if branches == "auto" else f"_sampler_{branches}"
         results[f"a_decode_ms_b1_ctx1k_{tag}"] = step_s * 1e3

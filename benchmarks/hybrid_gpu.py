@@ -23,9 +23,10 @@ import numpy as np
 
 from benchmarks.gpu_engine import decode_seconds_per_call, engine_for, prefill, timed
 from jaxllm.config import load_config_json
+from jaxllm.loading import runtime_layout
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.model.kernel_choice import debug_overrides
-from jaxllm.params import layout_params
+
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
 
@@ -45,7 +46,7 @@ def main() -> None:
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=args.scan).replace(**debug_overrides())
     t = time.perf_counter()
-    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers, consume=True)
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts)
     jax.block_until_ready(params)
     results: dict[str, object] = {
         "config": args.config,

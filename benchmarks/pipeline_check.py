@@ -21,8 +21,9 @@ import numpy as np
 from jaxllm.config import load_config_json
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.engine import Engine, EngineConfig
+from jaxllm.loading import runtime_layout
 from jaxllm.loading.dummy import dummy_params
-from jaxllm.params import layout_params
+
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import kv_bytes_per_page
 
@@ -34,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=False)
-    params = layout_params(dummy_params(cfg, dtype=opts.dtype), False, consume=True)
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts.replace(scan_layers=False))
     config = EngineConfig(
         max_slots=1,
         kv_bytes=200 * kv_bytes_per_page(cfg, 16, opts),

@@ -29,8 +29,10 @@ import numpy as np
 
 from gpu_engine import CTX, GREEDY, engine_for, prefill  # noqa: E402  (benchmarks/ is on sys.path when run)
 from jaxllm.config import load_config_json
+from jaxllm.loading import runtime_layout
+from jaxllm.model.kernel_choice import debug_overrides
 from jaxllm.loading.dummy import dummy_params
-from jaxllm.params import layout_params
+
 from jaxllm.runtime_options import RuntimeOptions
 
 
@@ -146,8 +148,8 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, n_layers=args.layers, layer_types=types)
     opts = RuntimeOptions(
         dtype=args.dtype, scan_layers=False, decode_matmul=args.decode_matmul, sampler_branches=args.sampler_branches
-    )
-    params = layout_params(dummy_params(cfg, dtype=opts.dtype), opts.scan_layers, consume=True)
+    ).replace(**debug_overrides())  # e.g. JAXLLM_DEBUG_KERNELS=weight_layout=in_out
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts)
     if args.prefill:
         profile_prefill(cfg, opts, params, args)
         return

@@ -26,8 +26,9 @@ import numpy as np
 from benchmarks.gpu_engine import decode_seconds_per_call, engine_config, engine_for, prefill
 from jaxllm.config import load_config_json
 from jaxllm.engine import Engine
+from jaxllm.loading import runtime_layout
 from jaxllm.loading.dummy import dummy_params
-from jaxllm.params import layout_params
+
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.speculative import DraftControl
 
@@ -104,7 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=False)
-    params = layout_params(dummy_params(cfg, dtype=opts.dtype), False, consume=True)
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts.replace(scan_layers=False))
     jax.block_until_ready(params)
     rng = np.random.default_rng(0)
     k = args.drafts

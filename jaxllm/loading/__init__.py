@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from jaxllm.config import ModelConfig, load_config_json
+from jaxllm.model.kernel_choice import out_in_weights
 from jaxllm.params import Params, layout_params
 from jaxllm.runtime_options import RuntimeOptions
 
@@ -80,7 +81,12 @@ def load_model(
     if progress is None:
         progress = sys.stderr.isatty()
     cfg, params = _load(source, fmt, options.dtype, config_path, progress)
-    return cfg, layout_params(params, options.scan_layers, consume=True)  # the loaded tree is ours alone
+    return cfg, runtime_layout(params, options)  # the loaded tree is ours alone
+
+
+def runtime_layout(params: Params, options: RuntimeOptions) -> Params:
+    """A canonical tree in the layout `options` run (`params.layout_params`), consumed."""
+    return layout_params(params, options.scan_layers, out_in=out_in_weights(options), consume=True)
 
 
 def _load(

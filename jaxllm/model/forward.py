@@ -19,7 +19,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.model import matvec_cpu
 from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, matmul_kernel, norm_kernel
 from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
-from jaxllm.params import LayerParams, MoeParams, Params
+from jaxllm.params import LayerParams, MoeParams, OutIn, Params
 from jaxllm.state import KVCache, to_kv_dtype
 from jaxllm.runtime_options import RuntimeOptions
 
@@ -229,7 +229,11 @@ def _projections_by_reference(lp: LayerParams, layers: LayerParams, i: jax.Array
 
     def swap(sliced, stacked, names: tuple[str, ...]):
         return sliced.replace(
-            **{n: LayerSlice(getattr(stacked, n), i) for n in names if getattr(stacked, n) is not None}
+            **{
+                n: LayerSlice(w, i)
+                for n in names
+                if (w := getattr(stacked, n)) is not None and not isinstance(w, OutIn)
+            }
         )
 
     attn = swap(lp.attn, layers.attn, ("wqkv", "wq", "wk", "wv", "wo"))

@@ -18,7 +18,14 @@ from jaxllm.runtime_options import RuntimeOptions
 # The one debug hook for kernel choices: RuntimeOptions fields forced for A/B runs and bug hunts,
 # e.g. JAXLLM_DEBUG_KERNELS="decode_attention=reference,decode_matmul=xla".
 DEBUG_ENV = "JAXLLM_DEBUG_KERNELS"
-_DEBUG_FIELDS = ("decode_attention", "decode_matmul", "decode_norm", "decode_delta", "sampler_branches")
+_DEBUG_FIELDS = (
+    "decode_attention",
+    "decode_matmul",
+    "decode_norm",
+    "decode_delta",
+    "sampler_branches",
+    "weight_layout",
+)
 # Items of the same hook read elsewhere: "faults=on" injects test faults (serving/faults.py).
 _OTHER_ITEMS = ("faults",)
 
@@ -65,9 +72,18 @@ def add_rms_norm(
     return x, rms_norm(x, weight, eps)
 
 
+def out_in_weights(opts: RuntimeOptions) -> bool:
+    """Whether dense projections are stored input-axes-last (see RuntimeOptions.weight_layout)."""
+    if opts.weight_layout == "auto":
+        return jax.default_backend() == "gpu"
+    return opts.weight_layout == "out_in"
+
+
 def matmul_kernel(opts: RuntimeOptions, n_tokens: int) -> str:
     """Which `project` kernel this round's projections use (see RuntimeOptions.decode_matmul):
-    "cpu" (the C++ kernel) or "xla"."""
+    "cpu" (the C++ kernel, which reads the canonical layout) or "xla"."""
+    if out_in_weights(opts):
+        return "xla"
     if opts.decode_matmul == "auto" and n_tokens <= matvec_cpu.MAX_ROWS and matvec_cpu.available(opts.dtype):
         return "cpu"
     return "xla"

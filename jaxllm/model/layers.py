@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxllm.config import ModelConfig
 from jaxllm.model.matvec_cpu import matmul_cpu
 from jaxllm.model.moe_kernels import moe_ffn, moe_kernel
-from jaxllm.params import DenseMlpParams, MoeParams
+from jaxllm.params import DenseMlpParams, MoeParams, OutIn
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -67,13 +67,21 @@ class LayerSlice:
     index: jax.Array
 
 
-def project(x: jax.Array, w: jax.Array | LayerSlice, n_contract: int = 1, *, kernel: str = "xla") -> jax.Array:
+def project(x: jax.Array, w: jax.Array | LayerSlice | OutIn, n_contract: int = 1, *, kernel: str = "xla") -> jax.Array:
     """x's last `n_contract` axes times w's first ones, e.g. [T, D] x [D, H, Dh] -> [T, H, Dh].
 
     kernel "xla" is XLA's dot; "cpu" the C++ matmul on the free 2-D views of x and w (rounds of
     a few tokens; see `jaxllm.model.matvec_cpu`). A `LayerSlice` w goes to the C++ kernel as its
     whole stack.
     """
+    if isinstance(w, OutIn):
+        # Input axes last (RuntimeOptions.weight_layout): the layout decides, not `kernel` (the
+        # C++ kernel reads the canonical layout only), so this is always XLA's dot.
+        if w.n_in != n_contract:
+            raise ValueError(f"an OutIn weight with {w.n_in} input axes contracted over {n_contract}")
+        x_axes = tuple(range(x.ndim - n_contract, x.ndim))
+        w_axes = tuple(range(w.t.ndim - n_contract, w.t.ndim))
+        return jax.lax.dot_general(x, w.t, ((x_axes, w_axes), ((), ())))
     if isinstance(w, LayerSlice) and kernel != "cpu":
         raise ValueError("a LayerSlice weight is for the CPU kernel")
     if kernel == "xla":
@@ -117,7 +125,7 @@ def moe_mlp(
     """
     T, D = x.shape
     E, k = cfg.n_experts, cfg.n_experts_per_token
-    router_logits = jnp.einsum("td,de->te", x, p.router).astype(jnp.float32)
+    router_logits = project(x, p.router).astype(jnp.float32)
     probs = jax.nn.softmax(router_logits, axis=-1)
     top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
     if cfg.norm_topk_prob:

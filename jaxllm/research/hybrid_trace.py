@@ -28,7 +28,7 @@ from jaxllm.state import RecurrentState
 def router_choice(h: jax.Array, mlp: MoeParams, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The experts an MoE layer routes each token of normed input `h` [T, D] to: ([T, k] ids,
     [T, k] weights), softmax then top-k (renormalised where the config says so)."""
-    probs = jax.nn.softmax(jnp.einsum("td,de->te", h, mlp.router).astype(jnp.float32), axis=-1)
+    probs = jax.nn.softmax(project(h, mlp.router).astype(jnp.float32), axis=-1)
     top_w, top_e = jax.lax.top_k(probs, cfg.n_experts_per_token)
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)

@@ -69,7 +69,32 @@ def test_prompt_logits_match_transformers(tiny_models, name, scan_layers):
     assert rel_err(ours, ref) < 1e-4
 
 
-def _engine(cfg, params, **kw) -> Engine:
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_input_axes_last_weights_give_the_same_model(tiny_models, name, scan_layers):
+    """The GPU's weight layout (RuntimeOptions.weight_layout "out_in": dense projections
+    stored input-axes-last) forced on the CPU: transformers' logits, the same greedy tokens
+    through the engine as the canonical layout, and the canonical tree back exactly."""
+    from jaxllm.params import OutIn, canonical_params
+
+    opts = RuntimeOptions(scan_layers=scan_layers, weight_layout="out_in")
+    cfg, params = load_model(tiny_models[name], options=opts, progress=False)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, OutIn))
+    assert any(isinstance(x, OutIn) for x in leaves)
+    ours = np.asarray(prompt_logits(params, cfg, jnp.asarray(PROMPT, jnp.int32)))
+    assert rel_err(ours, hf_logits(tiny_models[name], PROMPT)) < 1e-4
+
+    _, plain = load_model(tiny_models[name], options=opts.replace(weight_layout="in_out"), progress=False)
+    jax.tree.map(np.testing.assert_array_equal, canonical_params(params), canonical_params(plain))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = [
+        _run_alone(_engine(cfg, p, options=o), PROMPT[:11], greedy).generated
+        for p, o in ((params, opts), (plain, opts.replace(weight_layout="in_out")))
+    ]
+    assert runs[0] == runs[1]
+
+
+def _engine(cfg, params, options: RuntimeOptions | None = None, **kw) -> Engine:
     config = EngineConfig(
         max_slots=4,
         kv_bytes=cfg.n_layers * 2 * 16 * cfg.n_kv_heads * cfg.head_dim * 4 * 64,
@@ -79,7 +104,7 @@ def _engine(cfg, params, **kw) -> Engine:
         decode_widths=(1, 2),
         **kw,
     )
-    return Engine(cfg, params, eos_ids=[], config=config)
+    return Engine(cfg, params, eos_ids=[], config=config, options=options or RuntimeOptions())
 
 
 def _run_alone(engine: Engine, prompt: list[int], params: SamplingParams):
