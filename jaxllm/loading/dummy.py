@@ -6,6 +6,7 @@ memory, and `out_shardings` can place (or shard) every leaf as it is created.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -19,16 +20,26 @@ _NORM_LEAVES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "norm
 _STD = 0.02  # small enough that 100+ layers of residual adds stay finite in bfloat16
 
 
-def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool) -> jax.Array:
+# Leaves whose float32 draw is larger are drawn one leading-axis slice at a time (`lax.map`):
+# a 30B MoE's stacked experts (19 GB in bfloat16) drew 39 GB of float32 at once, and the
+# model did not fit an 80 GB card although its weights do.
+_SLICED_DRAW_BYTES = 1 << 30
+
+
+def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool, sliced_bytes: int) -> jax.Array:
     if norm:
         return jnp.ones(shape, dtype)
+    if len(shape) > 1 and 4 * math.prod(shape) > sliced_bytes:
+        draw = lambda k: (_STD * jax.random.normal(k, shape[1:], jnp.float32)).astype(dtype)  # noqa: E731
+        return jax.lax.map(draw, jax.random.split(key, shape[0]))
     return (_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _random_tree(key: jax.Array, cfg: ModelConfig, dtype: str) -> Params:
+def _random_tree(key: jax.Array, cfg: ModelConfig, dtype: str, sliced_bytes: int) -> Params:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
     keys = jax.random.split(key, len(leaves))
-    out = [_random_leaf(k, sds.shape, sds.dtype, path[-1].name in _NORM_LEAVES) for k, (path, sds) in zip(keys, leaves)]
+    norm = [path[-1].name in _NORM_LEAVES for path, _ in leaves]
+    out = [_random_leaf(k, sds.shape, sds.dtype, n, sliced_bytes) for k, (_, sds), n in zip(keys, leaves, norm)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -54,11 +65,13 @@ def dummy_params(cfg: ModelConfig, seed: int = 0, *, dtype: str = "float32", out
     # which is threefry's advantage.
     key = jax.random.key(seed, impl="rbg")
     if out_shardings is not None:
-        return jax.jit(_random_tree, static_argnums=(1, 2), out_shardings=out_shardings)(key, cfg, dtype)
+        tree = jax.jit(_random_tree, static_argnums=(1, 2, 3), out_shardings=out_shardings)
+        return tree(key, cfg, dtype, _SLICED_DRAW_BYTES)
     # Unsharded: one leaf per call, so only one leaf's float32 draw is ever live (a 35B MoE's
     # whole tree in one call asked for 126 GiB on a 141 GiB GPU); the same values as above.
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
     keys = jax.random.split(key, len(leaves))
-    leaf = jax.jit(_random_leaf, static_argnums=(1, 2, 3))
-    out = [leaf(k, sds.shape, sds.dtype, path[-1].name in _NORM_LEAVES) for k, (path, sds) in zip(keys, leaves)]
+    leaf = jax.jit(_random_leaf, static_argnums=(1, 2, 3, 4))
+    norm = [path[-1].name in _NORM_LEAVES for path, _ in leaves]
+    out = [leaf(k, sds.shape, sds.dtype, n, _SLICED_DRAW_BYTES) for k, (_, sds), n in zip(keys, leaves, norm)]
     return jax.tree_util.tree_unflatten(treedef, out)

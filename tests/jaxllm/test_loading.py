@@ -18,7 +18,7 @@ from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.gguf import load_gguf_model
 from jaxllm.loading.orbax_io import restore_pytree, save_model, save_pytree
 from jaxllm.loading.safetensors import load_safetensors_model
-from jaxllm.params import Params, canonical_params, layout_params, param_shapes
+from jaxllm.params import OutIn, Params, canonical_params, layout_params, param_shapes
 from jaxllm.runtime_options import RuntimeOptions
 
 from hf_tiny import LLAMA3_ROPE, hf_to_gguf, make_tiny_hf_model, read_hf_state  # tests/ is on sys.path (conftest)
@@ -360,6 +360,27 @@ def test_runtime_layout_round_trips(scan_layers: bool) -> None:
         assert layer.attn.wq is None and layer.attn.wqkv is not None and layer.mlp.w_gate_up is not None
         chex.assert_trees_all_equal(canonical_params(runtime), params)
         chex.assert_trees_all_equal(canonical_params(layout_params(params, scan_layers, fuse=False)), params)
+        out_in = layout_params(params, scan_layers, fuse=True, out_in=True)  # the GPU's layout
+        layer = out_in.layers if scan_layers else out_in.layers[0]
+        assert isinstance(layer.attn.wqkv, OutIn) and isinstance(layer.mlp.w_down, OutIn)
+        canonical_wo = params.layers.attn.wo.shape if scan_layers else params.layers.attn.wo.shape[1:]
+        assert layer.attn.wo.shape == canonical_wo and layer.attn.wo.t.shape[-2:] == canonical_wo[-3:-1]
+        chex.assert_trees_all_equal(canonical_params(out_in), params)
+
+
+def test_large_dummy_leaves_draw_slice_by_slice(monkeypatch) -> None:
+    """Leaves over `_SLICED_DRAW_BYTES` of float32 are drawn one leading slice at a time (so
+    a 30B's expert stack never needs its whole float32 draw); the sharded one-call path
+    draws the same values, and the scale stays the dummy's."""
+    from jaxllm.loading import dummy
+
+    monkeypatch.setattr(dummy, "_SLICED_DRAW_BYTES", 4 * 500)
+    params = dummy_params(TINY_DENSE, seed=3)
+    sharded = dummy_params(TINY_DENSE, seed=3, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    chex.assert_trees_all_equal(params, sharded)
+    w = np.asarray(params.layers.mlp.w_gate, np.float32)
+    assert w.size * 4 > 4 * 500 and abs(float(w.std()) - 0.02) < 0.002
+    assert not np.array_equal(w[0], w[1])  # each slice its own draw
 
 
 def test_dummy_allocates_tiny(tmp_path: Path) -> None:
