@@ -173,7 +173,7 @@ def main() -> None:
     opts = RuntimeOptions(dtype=args.dtype, scan_layers=args.scan, kv_dtype=args.kv_dtype).replace(**debug_overrides())
     results["kv_dtype"] = args.kv_dtype
     t = time.perf_counter()
-    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts)
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype, unrolled=not opts.scan_layers), opts)
     jax.block_until_ready(params)
     results["load_s"] = time.perf_counter() - t
     costs = model_costs(cfg, params, opts)

@@ -46,7 +46,7 @@ def main() -> None:
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=args.scan).replace(**debug_overrides())
     t = time.perf_counter()
-    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts)
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype, unrolled=not opts.scan_layers), opts)
     jax.block_until_ready(params)
     results: dict[str, object] = {
         "config": args.config,

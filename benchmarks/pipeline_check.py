@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=False)
-    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts.replace(scan_layers=False))
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype, unrolled=True), opts.replace(scan_layers=False))
     config = EngineConfig(
         max_slots=1,
         kv_bytes=200 * kv_bytes_per_page(cfg, 16, opts),

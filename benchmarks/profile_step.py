@@ -149,7 +149,7 @@ def main() -> None:
     opts = RuntimeOptions(
         dtype=args.dtype, scan_layers=False, decode_matmul=args.decode_matmul, sampler_branches=args.sampler_branches
     ).replace(**debug_overrides())  # e.g. JAXLLM_DEBUG_KERNELS=weight_layout=in_out
-    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts)
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype, unrolled=not opts.scan_layers), opts)
     if args.prefill:
         profile_prefill(cfg, opts, params, args)
         return

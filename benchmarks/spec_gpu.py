@@ -105,7 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config_json(args.config)
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=False)
-    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype), opts.replace(scan_layers=False))
+    params = runtime_layout(dummy_params(cfg, dtype=opts.dtype, unrolled=True), opts.replace(scan_layers=False))
     jax.block_until_ready(params)
     rng = np.random.default_rng(0)
     k = args.drafts

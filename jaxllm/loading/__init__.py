@@ -80,7 +80,7 @@ def load_model(
         raise ValueError(f"unknown model format {fmt!r}; known: {', '.join(FORMATS)}")
     if progress is None:
         progress = sys.stderr.isatty()
-    cfg, params = _load(source, fmt, options.dtype, config_path, progress)
+    cfg, params = _load(source, fmt, options.dtype, config_path, progress, unrolled=not options.scan_layers)
     return cfg, runtime_layout(params, options)  # the loaded tree is ours alone
 
 
@@ -90,13 +90,15 @@ def runtime_layout(params: Params, options: RuntimeOptions) -> Params:
 
 
 def _load(
-    source: str | Path, fmt: str, dtype: str, config_path: str | Path | None, progress: bool
+    source: str | Path, fmt: str, dtype: str, config_path: str | Path | None, progress: bool, *, unrolled: bool
 ) -> tuple[ModelConfig, Params]:
     if fmt == "dummy":
         from jaxllm.loading.dummy import dummy_params
 
         cfg = load_config_json(config_path or source)
-        return cfg, dummy_params(cfg, dtype=dtype)
+        # Drawn in the runtime's layer layout: unstacking afterwards needs a stacked leaf
+        # beside the model, more than an 80 GB card has for a 30B MoE.
+        return cfg, dummy_params(cfg, dtype=dtype, unrolled=unrolled)
 
     from jaxllm.loading.default_model import resolve_model
 

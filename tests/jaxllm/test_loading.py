@@ -383,6 +383,70 @@ def test_large_dummy_leaves_draw_slice_by_slice(monkeypatch) -> None:
     assert not np.array_equal(w[0], w[1])  # each slice its own draw
 
 
+TINY_HYBRID_MTP = ModelConfig(
+    family="qwen3_next",
+    vocab_size=64,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=0,
+    max_position=64,
+    n_experts=4,
+    n_experts_per_token=2,
+    moe_ffn_dim=16,
+    shared_expert_ffn_dim=24,
+    layer_types=("linear_attention", "full_attention") * 2,
+    linear_n_k_heads=2,
+    linear_n_v_heads=4,
+    linear_k_dim=8,
+    linear_v_dim=8,
+    conv_kernel=4,
+    rotary_dim=4,
+    mtp_layers=1,
+)
+
+
+@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_HYBRID_MTP], ids=["dense", "hybrid"])
+def test_dummy_layers_drawn_unrolled_equal_the_stack_unstacked(monkeypatch, cfg: ModelConfig) -> None:
+    """`dummy_params(unrolled=True)` draws layer by layer (a 30B's stacked experts beside
+    the model did not fit an 80 GB card) yet gives the stacked tree's values, in
+    `unstack_layers`' layout, for leaves drawn whole and slice by slice alike; the loader
+    draws dummy weights in the runtime's layout."""
+    from jaxllm.loading import dummy
+    from jaxllm.params import unstack_layers
+
+    monkeypatch.setattr(dummy, "_SLICED_DRAW_BYTES", 4 * 500)  # the larger layer leaves draw per slice
+    stacked = dummy_params(cfg, seed=5)
+    unrolled = dummy_params(cfg, seed=5, unrolled=True)
+    chex.assert_trees_all_equal(unrolled, unstack_layers(stacked))
+    layers = unrolled.layers.full if cfg.is_hybrid else unrolled.layers
+    assert isinstance(layers, tuple) and len(layers) == (2 if cfg.is_hybrid else cfg.n_layers)
+    if cfg.mtp_layers:
+        assert unrolled.mtp.block.attn_norm.shape[0] == cfg.mtp_layers  # the MTP block stays stacked
+
+
+def test_the_dummy_loader_draws_the_runtime_layout(tmp_path: Path) -> None:
+    preset = tmp_path / "tiny.json"
+    preset.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 32,
+                "hidden_size": 16,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "intermediate_size": 24,
+            }
+        )
+    )
+    options = RuntimeOptions(dtype="float32", scan_layers=False, weight_layout="in_out")
+    cfg, loaded = load_model(str(preset), fmt="dummy", options=options)
+    assert isinstance(loaded.layers, tuple)
+    chex.assert_trees_all_equal(loaded, layout_params(dummy_params(cfg), scan_layers=False))
+
+
 def test_dummy_allocates_tiny(tmp_path: Path) -> None:
     cfg = ModelConfig(
         family="qwen3_moe",
