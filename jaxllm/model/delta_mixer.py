@@ -120,6 +120,7 @@ def _advance(
     *,
     chunked: bool,
     snapshots: bool = False,
+    state_pass: str = "scan",
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the delta rule over the segments' tokens from their matrices `delta0`.
 
@@ -136,7 +137,7 @@ def _advance(
             deltas.append(delta)
         return jnp.concatenate(outs, axis=1), jnp.stack(deltas, axis=1)
     if chunked:
-        return gated_delta_chunked(x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK)
+        return gated_delta_chunked(x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK, _state_pass=state_pass)
     return gated_delta_recurrent(x.q, x.k, x.v, x.decay, x.beta, delta0)
 
 
@@ -152,6 +153,7 @@ def delta_mixer(
     snapshots: bool = False,
     pool: jax.Array | None = None,
     kernel: str | None = None,
+    state_pass: str = "scan",
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """One DeltaNet layer over the round.
 
@@ -164,6 +166,8 @@ def delta_mixer(
         Dk, Dv] as the layer scan carries them: decode rows are advanced in it in place by
         `gated_delta_decode` (their state is read once and written once), and chunk
         segments read their matrices from it. Without, both read `recurrent.delta`.
+      state_pass: how prompt chunks carry the state between 64-token chunks
+        (RuntimeOptions.prefill_delta).
 
     Returns:
       ([T, D] output, new conv windows [R, Kc-1, C], new delta matrices [R', Hv, Dk, Dv] or
@@ -206,7 +210,7 @@ def delta_mixer(
             )
             out = out[:, None]
         else:
-            out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots)
+            out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots, state_pass=state_pass)
             deltas.append(delta)
         rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
         core = core.at[rows].set(out, mode="drop")

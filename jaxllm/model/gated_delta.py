@@ -135,7 +135,11 @@ def gated_delta_recurrent(
     return jnp.moveaxis(out, 0, 1).astype(q.dtype), new_state
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision"))
+# How `gated_delta_chunked` carries the state from chunk to chunk (see there).
+STATE_PASSES = ("scan", "unrolled", "assoc")
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision", "_state_pass"))
 def gated_delta_chunked(
     q: jax.Array,
     k: jax.Array,
@@ -147,6 +151,7 @@ def gated_delta_chunked(
     chunk: int = 64,
     qk_l2norm: bool = True,
     precision: lax.Precision | None = _HIGHEST,
+    _state_pass: str = "scan",
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule in chunks of L = `chunk` tokens (the WY / UT form): same
     arguments and results as `gated_delta_recurrent`, with the sequential part cut from T
@@ -203,17 +208,56 @@ def gated_delta_chunked(
     k_dec = jnp.exp(cum[..., -1:] - cum)[..., None] * kc  # [N, H, C, L, Dk] writes S_end
     chunk_decay = jnp.exp(cum[..., -1])  # [N, H, C]
 
-    def step(s, xs):  # s [N, H, Dk, Dv]
-        u_c, w_c, intra_c, q_c, k_c, d_c = xs
-        delta = u_c - dot("nhlk,nhkv->nhlv", w_c, s)
-        out = dot("nhlk,nhkv->nhlv", q_c, s) + dot("nhij,nhjv->nhiv", intra_c, delta)
-        s = d_c[:, :, None, None] * s + dot("nhlk,nhlv->nhkv", k_c, delta)
-        return s, out
+    s0 = state.astype(jnp.float32)
+    if _state_pass == "assoc":
+        new_state, out = _assoc_state_pass(u, w, intra, q_dec, k_dec, chunk_decay, s0, dot)  # [N, H, C, L, Dv]
+    elif _state_pass in ("scan", "unrolled"):
 
-    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, intra, q_dec, k_dec, chunk_decay))  # chunks first
-    new_state, out = lax.scan(step, state.astype(jnp.float32), xs)  # out [C, N, H, L, Dv]
-    out = jnp.moveaxis(out, 0, 2).reshape(N, H, C * L, Dv)[:, :, :T]
+        def step(s, xs):  # s [N, H, Dk, Dv]
+            u_c, w_c, intra_c, q_c, k_c, d_c = xs
+            delta = u_c - dot("nhlk,nhkv->nhlv", w_c, s)
+            out = dot("nhlk,nhkv->nhlv", q_c, s) + dot("nhij,nhjv->nhiv", intra_c, delta)
+            s = d_c[:, :, None, None] * s + dot("nhlk,nhlv->nhkv", k_c, delta)
+            return s, out
+
+        xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, intra, q_dec, k_dec, chunk_decay))  # chunks first
+        unroll = C if _state_pass == "unrolled" else 1
+        new_state, out = lax.scan(step, s0, xs, unroll=unroll)  # out [C, N, H, L, Dv]
+        out = jnp.moveaxis(out, 0, 2)
+    else:
+        raise ValueError(f"state pass must be one of {STATE_PASSES}, got {_state_pass!r}")
+    out = out.reshape(N, H, C * L, Dv)[:, :, :T]
     return jnp.moveaxis(out, 1, 2).astype(q.dtype), new_state
+
+
+def _assoc_state_pass(u, w, intra, q_dec, k_dec, chunk_decay, s0, dot) -> tuple[jax.Array, jax.Array]:
+    """The chunk-to-chunk state pass as a parallel prefix over affine maps instead of a loop.
+
+    Chunk c maps its initial state S to d_c S + Kd_c^T (U_c - W_c S) = M_c S + B_c with
+    M_c = d_c I - Kd_c^T W_c [Dk, Dk] and B_c = Kd_c^T U_c [Dk, Dv]; composing maps is
+    associative ((M2, B2) after (M1, B1) = (M2 M1, M2 B1 + B2)), so every chunk's initial
+    state comes from `lax.associative_scan` in log2(C) rounds of batched products rather than
+    C dependent steps, each a handful of small kernels. Then every chunk's output at once:
+    out_c = (Qd_c - intra_c W_c) S_c + intra_c U_c. The maps are products of d (I - beta k k^T)
+    factors, norm <= 1, so composing them is stable.
+
+    Returns (the state after the last chunk [N, H, Dk, Dv], outputs [N, H, C, L, Dv]).
+    """
+    Dk = w.shape[-1]
+    eye = jnp.eye(Dk, dtype=jnp.float32)
+    m = chunk_decay[..., None, None] * eye - dot("nhclk,nhclj->nhckj", k_dec, w)  # [N, H, C, Dk, Dk]
+    b = dot("nhclk,nhclv->nhckv", k_dec, u)  # [N, H, C, Dk, Dv]
+
+    def compose(earlier, later):
+        (m1, b1), (m2, b2) = earlier, later
+        return dot("...ij,...jk->...ik", m2, m1), dot("...ij,...jk->...ik", m2, b1) + b2
+
+    m_to, b_to = lax.associative_scan(compose, (m, b), axis=2)  # maps from S0 to each chunk's end
+    ends = dot("nhcij,nhjv->nhciv", m_to, s0) + b_to  # [N, H, C, Dk, Dv]
+    starts = jnp.concatenate([s0[:, :, None], ends[:, :, :-1]], axis=2)
+    p = q_dec - dot("nhcij,nhcjk->nhcik", intra, w)  # [N, H, C, L, Dk]
+    out = dot("nhclk,nhckv->nhclv", p, starts) + dot("nhcij,nhcjv->nhciv", intra, u)
+    return ends[:, :, -1], out
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

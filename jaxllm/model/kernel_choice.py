@@ -23,6 +23,7 @@ _DEBUG_FIELDS = (
     "decode_matmul",
     "decode_norm",
     "decode_delta",
+    "prefill_delta",
     "sampler_branches",
     "weight_layout",
 )
