@@ -16,6 +16,7 @@ groups). Cases, one line each as they finish:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -41,10 +42,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--c-slots", default="16,64")
     ap.add_argument("--c-context", type=int, default=1536)
+    ap.add_argument("--layers", type=int, default=0, help="keep this many layers (0: the config's; a smaller card)")
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
     args = ap.parse_args()
     cases = args.cases.split(",")
     cfg = load_config_json(args.config)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, n_layers=args.layers, layer_types=cfg.layer_types[: args.layers])
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=args.scan).replace(**debug_overrides())
     t = time.perf_counter()
     params = runtime_layout(dummy_params(cfg, dtype=opts.dtype, unrolled=not opts.scan_layers), opts)

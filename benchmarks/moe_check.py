@@ -57,7 +57,6 @@ def _cfg(s: dict) -> ModelConfig:
         n_experts_per_token=s["k"],
         moe_ffn_dim=s["F"],
         norm_topk_prob=True,
-        dtype="bfloat16",
     )
 
 
@@ -187,6 +186,21 @@ SWEEP = [  # one knob at a time from the layout's defaults (moe_kernels.DEFAULTS
 ]
 
 
+# Prompt rounds (hundreds of rows per expert): larger tiles and more warps together, which the
+# one-knob sweep above (from the decode-tuned defaults) never tries.
+PREFILL_SWEEP = [
+    (),
+    (("num_warps", 8),),
+    (("gu_block_n", 64), ("num_warps", 8)),
+    (("gu_block_k", 32), ("num_warps", 8)),
+    (("dn_block_n", 128), ("num_warps", 8)),
+    (("dn_block_n", 128), ("dn_block_k", 32), ("num_warps", 8)),
+    (("gu_block_n", 64), ("dn_block_n", 128), ("num_warps", 8), ("num_stages", 4)),
+    (("gu_block_n", 64), ("gu_block_k", 32), ("dn_block_n", 128), ("dn_block_k", 32), ("num_warps", 8)),
+    (("gu_block_n", 128), ("gu_block_k", 32), ("dn_block_n", 128), ("dn_block_k", 32), ("num_warps", 8)),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3-30b-a3b,qwen3.5-35b-a3b")
@@ -195,10 +209,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--parity-tokens", default="1,16,64,1024")
     ap.add_argument(
-        "--sweep", default="", help="sweep SWEEP's configs at these 'variant:tokens' (e.g. pairs:1,grouped16:64)"
+        "--sweep", default="", help="sweep the configs at these 'variant:tokens' (e.g. pairs:1,grouped16:64)"
     )
+    ap.add_argument("--sweep-set", choices=("decode", "prefill"), default="decode", help="SWEEP or PREFILL_SWEEP")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    sweep_configs = SWEEP if args.sweep_set == "decode" else PREFILL_SWEEP
     results: list[dict] = []
 
     def record(**row):
@@ -251,7 +267,7 @@ def main() -> None:
             T = int(T)
             x = jax.random.normal(jax.random.fold_in(key, 7 + T), (T, s["D"]), jnp.float32).astype(jnp.bfloat16)
             floor = floor_seconds(x, layers, s)
-            for config in SWEEP:
+            for config in sweep_configs:
                 try:
                     sec = chain_seconds(layer_fn(variant, s, config), x, layers)
                     record(

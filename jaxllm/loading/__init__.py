@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from jaxllm.config import ModelConfig, load_config_json
-from jaxllm.model.kernel_choice import out_in_weights
 from jaxllm.params import Params, layout_params
 from jaxllm.runtime_options import RuntimeOptions
 
@@ -86,6 +85,9 @@ def load_model(
 
 def runtime_layout(params: Params, options: RuntimeOptions) -> Params:
     """A canonical tree in the layout `options` run (`params.layout_params`), consumed."""
+    # Imported here: the model package imports this one (the default model's cache directory).
+    from jaxllm.model.kernel_choice import out_in_weights
+
     return layout_params(params, options.scan_layers, out_in=out_in_weights(options), consume=True)
 
 
