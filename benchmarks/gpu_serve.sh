@@ -53,6 +53,18 @@ bench smollm2-single --vocab-size 49152 --input-len 128 --output-len 256 --concu
 stop
 fi
 
+# The Qwen3-30B-A3B MoE shape (issue 18): single stream, a 2k prompt, 16 and 64 concurrent.
+if [[ $cases == *30b* ]]; then
+serve_and_bench qwen3-30b --load-format dummy --model configs/qwen3-30b-a3b.json --dtype bfloat16 --unroll-layers \
+  --config configs/gpu-qwen3-30b.toml || exit 1
+bench 30b-single-1k --vocab-size 151000 --input-len 1000 --output-len 128 --concurrency 1 --num-prompts 4
+bench 30b-prefill-2k --vocab-size 151000 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts 4
+bench 30b-16x1k --vocab-size 151000 --input-len 1024 --output-len 256 --concurrency 16 --num-prompts 32
+bench 30b-64x1k --vocab-size 151000 --input-len 1024 --output-len 1024 --concurrency 64 --num-prompts 128
+grep -h "warm-up:" "$out"/serve-qwen3-30b.log
+stop
+fi
+
 # The hybrid Qwen3.5-35B-A3B shape (issue 17): single stream, a 2k prompt, 64 concurrent.
 if [[ $cases == *qwen35* ]]; then
 serve_and_bench qwen3.5-35b --load-format dummy --model configs/qwen3.5-35b-a3b.json --dtype bfloat16 --unroll-layers \
