@@ -20,8 +20,8 @@ from jaxllm.config import LINEAR_ATTENTION, ModelConfig
 from jaxllm.model.delta_mixer import Segments, delta_mixer, round_segments
 from jaxllm.model.forward import DecodeLookups, TokenBatch, _after, write_kv
 from jaxllm.model.gated_attention import gated_attention
-from jaxllm.model.kernel_choice import decode_delta_kernel
-from jaxllm.model.layers import dense_mlp, moe_mlp, rms_norm
+from jaxllm.model.kernel_choice import add_rms_norm, decode_delta_kernel, norm_kernel
+from jaxllm.model.layers import dense_mlp, moe_mlp
 from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params
 from jaxllm.state import KVCache, RecurrentState
 from jaxllm.runtime_options import RuntimeOptions
@@ -87,15 +87,18 @@ def hybrid_forward(
         delta_kernel = decode_delta_kernel(opts)
     pool = recurrent.delta if delta_kernel is not None else None
 
-    def block(x, lp: HybridBlockParams, mix):
-        h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
-        out, *state = mix(h)
-        x = x + out
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_eps)
-        out, experts = block_mlp(h, lp.mlp, cfg, valid)
-        return x + out, state, experts
+    # The residual stream is x + pending: each block adds its predecessor's MLP output inside
+    # its first norm, as `forward` does (one kernel per add + norm in decode rounds).
+    norm = norm_kernel(opts, x.shape[0])
 
-    def group(x, pool, lin_block, full_block, g):
+    def block(x, pending, lp: HybridBlockParams, mix):
+        x, h = add_rms_norm(x, pending, lp.attn_norm, cfg.rms_eps, kernel=norm)
+        out, *state = mix(h)
+        x, h = add_rms_norm(x, out, lp.mlp_norm, cfg.rms_eps, kernel=norm)
+        out, experts = block_mlp(h, lp.mlp, cfg, valid)
+        return x, out, state, experts
+
+    def group(x, pending, pool, lin_block, full_block, g):
         """The `layer_period` layers of group `g`; `lin_block(i)` / `full_block(i)` give its
         i-th block of each kind."""
         new_conv, new_delta, ks, vs, experts = [], [], [], [], []
@@ -104,8 +107,9 @@ def hybrid_forward(
             if kind == LINEAR_ATTENTION:
                 lp = lin_block(i_lin)
                 index = g * n_lin + i_lin
-                x, (conv, delta, pool), e = block(
+                x, pending, (conv, delta, pool), e = block(
                     x,
+                    pending,
                     lp,
                     lambda h, pool=pool: delta_mixer(
                         h,
@@ -129,8 +133,9 @@ def hybrid_forward(
                 lp = full_block(i_full)
                 index = g * n_full + i_full
                 table = _after(page_table, x)  # read this layer's context only once its input exists
-                x, (k, v), e = block(
+                x, pending, (k, v), e = block(
                     x,
+                    pending,
                     lp,
                     lambda h: gated_attention(
                         h,
@@ -151,16 +156,21 @@ def hybrid_forward(
                 i_full += 1
             experts.append(e)
         stack = lambda xs: jnp.stack(xs) if xs else None  # noqa: E731
-        return (x, pool), (stack(new_conv), stack(new_delta), jnp.stack(ks), jnp.stack(vs), jnp.stack(experts))
+        return (x, pending, pool), (stack(new_conv), stack(new_delta), jnp.stack(ks), jnp.stack(vs), jnp.stack(experts))
 
     if isinstance(layers.full, tuple):
         # Unrolled (the GPU layout): every block's weights are their own buffers, so a kernel
         # (the MoE experts') takes them as they lie; a slice of a stacked weight inside the
         # step would be copied before each custom call.
-        outs = []
+        outs, pending = [], None
         for g in range(groups):
-            (x, pool), out = group(
-                x, pool, lambda i, g=g: layers.linear[g * n_lin + i], lambda i, g=g: layers.full[g * n_full + i], g
+            (x, pending, pool), out = group(
+                x,
+                pending,
+                pool,
+                lambda i, g=g: layers.linear[g * n_lin + i],
+                lambda i, g=g: layers.full[g * n_full + i],
+                g,
             )
             outs.append(out)
         conv, delta, k_new, v_new, experts = (None if o[0] is None else jnp.stack(o) for o in zip(*outs))
@@ -177,8 +187,9 @@ def hybrid_forward(
             _group_stack(layers.full, groups),
             jnp.arange(groups),
         )
-        (x, pool), (conv, delta, k_new, v_new, experts) = jax.lax.scan(body, (x, pool), xs)
-    hidden = rms_norm(x, params.final_norm, cfg.rms_eps)
+        carry = (x, jnp.zeros_like(x), pool)  # scan's carry needs an array from the start
+        (x, pending, pool), (conv, delta, k_new, v_new, experts) = jax.lax.scan(body, carry, xs)
+    x, hidden = add_rms_norm(x, pending, params.final_norm, cfg.rms_eps, kernel=norm)
 
     # [groups, per-group, ...] -> one axis in layer order (within a kind, for states and K/V)
     flat = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])  # noqa: E731

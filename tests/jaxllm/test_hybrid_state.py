@@ -171,11 +171,12 @@ def test_presets_have_the_published_shapes(name):
 @pytest.mark.parametrize("steps_per_call", [1, 2])
 def test_decode_kernel_and_unrolled_layers_match_the_scanned_jnp_recurrence(params, steps_per_call):
     """The Pallas decode kernel (interpreted) advances decode rows in place in the pool the
-    layer scan carries, while a prompt prefills beside them; unrolled layers (the GPU layout)
-    run the same blocks: the same tokens and states as the scanned jnp recurrence."""
+    layer scan carries, while a prompt prefills beside them, with the add + RMSNorm kernel
+    (interpreted) between blocks; unrolled layers (the GPU layout) run the same blocks: the
+    same tokens and states as the scanned jnp recurrence with XLA's norms."""
     greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     runs = []
-    for decode_delta, unrolled in (("reference", False), ("interpret", False), ("interpret", True)):
+    for kernel, unrolled in (("reference", False), ("interpret", False), ("interpret", True)):
         config = EngineConfig(
             max_slots=3,
             kv_bytes=1 << 20,
@@ -185,7 +186,8 @@ def test_decode_kernel_and_unrolled_layers_match_the_scanned_jnp_recurrence(para
             decode_widths=(1, 2),
             decode_steps_per_call=steps_per_call,
         )
-        opts = RuntimeOptions(decode_delta=decode_delta, scan_layers=not unrolled)
+        norm = "xla" if kernel == "reference" else "interpret"
+        opts = RuntimeOptions(decode_delta=kernel, decode_norm=norm, scan_layers=not unrolled)
         engine = Engine(CFG, layout_params(params, opts.scan_layers), eos_ids=[0], config=config, options=opts)
         first = engine.add(PROMPT, greedy)
         engine.step()
