@@ -6,7 +6,8 @@ where a family lacks them; None is an empty pytree node, so it costs nothing und
 
 Loaders build, and checkpoints store, the *canonical* tree: stacked layers, one matrix per
 projection. The *runtime* tree (`layout_params`) may unroll the layers and fuse projections
-that read the same input (q/k/v; gate/up) into one matrix: a decode step is a chain of
+that read the same input (q/k/v; gate/up; in hybrid blocks the mixer's input projections,
+and the router with the shared expert's) into one matrix: a decode step is a chain of
 matrix-vector products, and fewer, larger ones stream the weights closer to memory speed.
 On a GPU it also stores the dense projections input-axes-last (`OutIn`: XLA's one-row
 products run up to 3x faster so). `canonical_params` undoes all three.
@@ -76,13 +77,16 @@ class DenseMlpParams:
 
 @struct.dataclass
 class MoeParams:
-    router: jax.Array  # [L, D, E]
+    router: jax.Array | None  # [L, D, E]; None once fused into w_in
     w_gate: jax.Array  # [L, E, D, F]
     w_up: jax.Array  # [L, E, D, F]
     w_down: jax.Array  # [L, E, F, D]
     # Qwen3-Next / Qwen3.5: a shared expert every token takes, scaled by sigmoid(x . gate).
     shared: DenseMlpParams | None = None  # [L, D, Fs] / [L, Fs, D]
     shared_gate: jax.Array | None = None  # [L, D]
+    # router | shared.w_gate | shared.w_up | shared_gate[..., None], along the output axis:
+    # runtime layout only (fuse_projections; with a shared expert), shared keeps its w_down.
+    w_in: jax.Array | None = None  # [L, D, E + 2 Fs + 1]
 
 
 @struct.dataclass
@@ -98,28 +102,30 @@ class GatedAttentionParams:
     """Full-attention mixer of the hybrid family: q/k norms, partial RoPE and a per-head
     output gate (sigmoid) computed from the same input as q."""
 
-    wq: jax.Array  # [L, D, H, Dh]
-    w_gate: jax.Array  # [L, D, H, Dh]
-    wk: jax.Array  # [L, D, K, Dh]
-    wv: jax.Array  # [L, D, K, Dh]
+    wq: jax.Array | None  # [L, D, H, Dh]; None once fused into w_qgkv
+    w_gate: jax.Array | None  # [L, D, H, Dh]
+    wk: jax.Array | None  # [L, D, K, Dh]
+    wv: jax.Array | None  # [L, D, K, Dh]
     wo: jax.Array  # [L, H, Dh, D]
     q_norm: jax.Array  # [L, Dh]
     k_norm: jax.Array  # [L, Dh]
+    w_qgkv: jax.Array | None = None  # [L, D, 2H + 2K, Dh] wq|w_gate|wk|wv: runtime layout only
 
 
 @struct.dataclass
 class DeltaNetParams:
     """Gated DeltaNet mixer (linear attention). C = 2 Hk Dk + Hv Dv conv channels (q, k, v)."""
 
-    w_qkv: jax.Array  # [L, D, C]
-    w_z: jax.Array  # [L, D, Hv, Dv]   output gate of the gated RMSNorm
-    w_b: jax.Array  # [L, D, Hv]       beta = sigmoid(x . w_b)
-    w_a: jax.Array  # [L, D, Hv]       decay input
+    w_qkv: jax.Array | None  # [L, D, C]; None once fused into w_in
+    w_z: jax.Array | None  # [L, D, Hv, Dv]   output gate of the gated RMSNorm
+    w_b: jax.Array | None  # [L, D, Hv]       beta = sigmoid(x . w_b)
+    w_a: jax.Array | None  # [L, D, Hv]       decay input
     conv: jax.Array  # [L, C, Kc]      depthwise causal conv
     dt_bias: jax.Array  # [L, Hv]
     a_log: jax.Array  # [L, Hv]        g = -exp(a_log) * softplus(x . w_a + dt_bias)
     norm: jax.Array  # [L, Dv]         gated RMSNorm scale
     w_out: jax.Array  # [L, Hv, Dv, D]
+    w_in: jax.Array | None = None  # [L, D, C + Hv*Dv + 2*Hv] w_qkv|w_z|w_b|w_a: runtime layout only
 
 
 @struct.dataclass
@@ -320,25 +326,88 @@ def stack_layers(params: Params) -> Params:
     return params.replace(layers=_stack(layers))
 
 
-def _map_layers(fn: Callable[[LayerParams], LayerParams], params: Params) -> Params:
+def _map_layers(
+    fn: Callable[[LayerParams], LayerParams], block_fn: Callable[[HybridBlockParams], HybridBlockParams], params: Params
+) -> Params:
+    """`fn` on every layer, or for hybrid models `block_fn` on every block of each kind (the
+    MTP head's block is left alone: it runs once a draft, not once a layer)."""
     layers = params.layers
-    if isinstance(layers, HybridLayers):  # no fused layout (yet) for hybrid blocks
-        return params
+    if isinstance(layers, HybridLayers):
+
+        def each(blocks):
+            if blocks is None:
+                return None
+            return tuple(map(block_fn, blocks)) if isinstance(blocks, tuple) else block_fn(blocks)
+
+        return params.replace(layers=layers.replace(linear=each(layers.linear), full=each(layers.full)))
     return params.replace(layers=tuple(map(fn, layers)) if isinstance(layers, tuple) else fn(layers))
 
 
+def _fuse_mlp(mlp: DenseMlpParams) -> DenseMlpParams:
+    if mlp.w_gate_up is not None:
+        return mlp
+    return mlp.replace(w_gate_up=jnp.concatenate([mlp.w_gate, mlp.w_up], axis=-1), w_gate=None, w_up=None)
+
+
+def _unfuse_mlp(mlp: DenseMlpParams) -> DenseMlpParams:
+    if mlp.w_gate_up is None:
+        return mlp
+    w_gate, w_up = jnp.split(mlp.w_gate_up, 2, axis=-1)
+    return mlp.replace(w_gate=w_gate, w_up=w_up, w_gate_up=None)
+
+
+def _fuse_block(b: HybridBlockParams) -> HybridBlockParams:
+    """A hybrid block's projections of one input -> one matrix each: DeltaNet's w_in, gated
+    attention's w_qgkv, the shared-expert MoE's w_in (router, shared gate/up, shared gate)."""
+    m, mlp = b.mixer, b.mlp
+    if isinstance(m, DeltaNetParams) and m.w_in is None:
+        z = m.w_z.reshape(*m.w_z.shape[:-2], -1)
+        w_in = jnp.concatenate([m.w_qkv, z, m.w_b, m.w_a], axis=-1)
+        m = m.replace(w_in=w_in, w_qkv=None, w_z=None, w_b=None, w_a=None)
+    elif isinstance(m, GatedAttentionParams) and m.w_qgkv is None:
+        w_qgkv = jnp.concatenate([m.wq, m.w_gate, m.wk, m.wv], axis=-2)
+        m = m.replace(w_qgkv=w_qgkv, wq=None, w_gate=None, wk=None, wv=None)
+    if isinstance(mlp, DenseMlpParams):
+        mlp = _fuse_mlp(mlp)
+    elif mlp.shared is not None and mlp.w_in is None:
+        s = mlp.shared
+        w_in = jnp.concatenate([mlp.router, s.w_gate, s.w_up, mlp.shared_gate[..., None]], axis=-1)
+        mlp = mlp.replace(w_in=w_in, router=None, shared=s.replace(w_gate=None, w_up=None), shared_gate=None)
+    return b.replace(mixer=m, mlp=mlp)
+
+
+def _unfuse_block(b: HybridBlockParams) -> HybridBlockParams:
+    m, mlp = b.mixer, b.mlp
+    if isinstance(m, DeltaNetParams) and m.w_in is not None:
+        C, (Hv, Dv) = m.conv.shape[-2], m.w_out.shape[-3:-1]
+        w_qkv, z, w_b, w_a = jnp.split(m.w_in, [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
+        m = m.replace(w_qkv=w_qkv, w_z=z.reshape(*z.shape[:-1], Hv, Dv), w_b=w_b, w_a=w_a, w_in=None)
+    elif isinstance(m, GatedAttentionParams) and m.w_qgkv is not None:
+        H = m.wo.shape[-3]
+        K = (m.w_qgkv.shape[-2] - 2 * H) // 2
+        wq, w_gate, wk, wv = jnp.split(m.w_qgkv, [H, 2 * H, 2 * H + K], axis=-2)
+        m = m.replace(wq=wq, w_gate=w_gate, wk=wk, wv=wv, w_qgkv=None)
+    if isinstance(mlp, DenseMlpParams):
+        mlp = _unfuse_mlp(mlp)
+    elif mlp.w_in is not None:
+        E, Fs = mlp.w_gate.shape[-3], mlp.shared.w_down.shape[-2]
+        router, w_gate, w_up, gate = jnp.split(mlp.w_in, [E, E + Fs, E + 2 * Fs], axis=-1)
+        shared = mlp.shared.replace(w_gate=w_gate, w_up=w_up)
+        mlp = mlp.replace(router=router, shared=shared, shared_gate=gate[..., 0], w_in=None)
+    return b.replace(mixer=m, mlp=mlp)
+
+
 def fuse_projections(params: Params) -> Params:
-    """q/k/v weights -> one wqkv (heads axis), gate/up -> one w_gate_up (F axis)."""
+    """q/k/v weights -> one wqkv (heads axis), gate/up -> one w_gate_up (F axis); hybrid
+    blocks as `_fuse_block`."""
 
     def fuse(lp: LayerParams) -> LayerParams:
         a, mlp = lp.attn, lp.mlp
         if a.wqkv is None:
             a = a.replace(wqkv=jnp.concatenate([a.wq, a.wk, a.wv], axis=-2), wq=None, wk=None, wv=None)
-        if isinstance(mlp, DenseMlpParams) and mlp.w_gate_up is None:
-            mlp = mlp.replace(w_gate_up=jnp.concatenate([mlp.w_gate, mlp.w_up], axis=-1), w_gate=None, w_up=None)
-        return lp.replace(attn=a, mlp=mlp)
+        return lp.replace(attn=a, mlp=_fuse_mlp(mlp) if isinstance(mlp, DenseMlpParams) else mlp)
 
-    return _map_layers(fuse, params)
+    return _map_layers(fuse, _fuse_block, params)
 
 
 def unfuse_projections(params: Params) -> Params:
@@ -351,12 +420,9 @@ def unfuse_projections(params: Params) -> Params:
             K = (a.wqkv.shape[-2] - H) // 2
             wq, wk, wv = jnp.split(a.wqkv, [H, H + K], axis=-2)
             a = a.replace(wq=wq, wk=wk, wv=wv, wqkv=None)
-        if isinstance(mlp, DenseMlpParams) and mlp.w_gate_up is not None:
-            w_gate, w_up = jnp.split(mlp.w_gate_up, 2, axis=-1)
-            mlp = mlp.replace(w_gate=w_gate, w_up=w_up, w_gate_up=None)
-        return lp.replace(attn=a, mlp=mlp)
+        return lp.replace(attn=a, mlp=_unfuse_mlp(mlp) if isinstance(mlp, DenseMlpParams) else mlp)
 
-    return _map_layers(unfuse, params)
+    return _map_layers(unfuse, _unfuse_block, params)
 
 
 def layout_params(
@@ -383,10 +449,10 @@ def canonical_params(params: Params) -> Params:
 _HEADS = (1, 2)  # [D] -> [heads, Dh]
 _PROJECTIONS: dict[type, dict[str, tuple[int, int]]] = {
     AttentionParams: {"wq": _HEADS, "wk": _HEADS, "wv": _HEADS, "wqkv": _HEADS, "wo": (2, 1)},
-    GatedAttentionParams: {"wq": _HEADS, "w_gate": _HEADS, "wk": _HEADS, "wv": _HEADS, "wo": (2, 1)},
-    DeltaNetParams: {"w_qkv": (1, 1), "w_z": _HEADS, "w_b": (1, 1), "w_a": (1, 1), "w_out": (2, 1)},
+    GatedAttentionParams: {"wq": _HEADS, "w_gate": _HEADS, "wk": _HEADS, "wv": _HEADS, "w_qgkv": _HEADS, "wo": (2, 1)},
+    DeltaNetParams: {"w_qkv": (1, 1), "w_z": _HEADS, "w_b": (1, 1), "w_a": (1, 1), "w_in": (1, 1), "w_out": (2, 1)},
     DenseMlpParams: {"w_gate_up": (1, 1), "w_gate": (1, 1), "w_up": (1, 1), "w_down": (1, 1)},
-    MoeParams: {"router": (1, 1)},
+    MoeParams: {"router": (1, 1), "w_in": (1, 1)},
 }
 
 

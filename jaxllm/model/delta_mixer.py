@@ -141,6 +141,18 @@ def _advance(
     return gated_delta_recurrent(x.q, x.k, x.v, x.decay, x.beta, delta0)
 
 
+def input_projections(
+    h: jax.Array, p: DeltaNetParams, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The mixer's products of its input h [T, D]: (qkv [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+    if p.w_in is None:
+        return project(h, p.w_qkv), project(h, p.w_z), project(h, p.w_b), project(h, p.w_a)
+    # At one decode row each matmul is a kernel launch; one product of the shared input replaces four.
+    C, Hv, Dv = cfg.conv_dim, cfg.linear_n_v_heads, cfg.linear_v_dim
+    qkv, z, b, a = jnp.split(project(h, p.w_in), [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
+    return qkv, z.reshape(h.shape[0], Hv, Dv), b, a
+
+
 def delta_mixer(
     h: jax.Array,
     p: DeltaNetParams,
@@ -179,9 +191,7 @@ def delta_mixer(
     if snapshots and decode.slots.shape[0]:
         raise ValueError("snapshots are for rounds of segments only (no decode rows)")
     T = h.shape[0]
-    qkv = project(h, p.w_qkv)  # [T, C]
-    z = project(h, p.w_z)  # [T, Hv, Dv]
-    b, a = project(h, p.w_b), project(h, p.w_a)  # [T, Hv]
+    qkv, z, b, a = input_projections(h, p, cfg)
     conv_all = recurrent.conv[layer_index]
     matrices = recurrent.delta if pool is None else pool
     segs = [

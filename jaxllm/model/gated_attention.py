@@ -18,6 +18,18 @@ from jaxllm.state import KVCache, to_kv_dtype
 from jaxllm.runtime_options import RuntimeOptions
 
 
+def input_projections(
+    h: jax.Array, p: GatedAttentionParams, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """q, gate [T, H, Dh] and k, v [T, K, Dh] of the normed input h [T, D] (before q/k norms)."""
+    if p.w_qgkv is None:
+        return project(h, p.wq), project(h, p.w_gate), project(h, p.wk), project(h, p.wv)
+    # At one decode row each matmul is a kernel launch; one product of the shared input replaces four.
+    H, K = cfg.n_heads, cfg.n_kv_heads
+    q, gate, k, v = jnp.split(project(h, p.w_qgkv), [H, 2 * H, 2 * H + K], axis=1)
+    return q, gate, k, v
+
+
 def gated_attention(
     h: jax.Array,
     p: GatedAttentionParams,
@@ -43,10 +55,8 @@ def gated_attention(
       ([T, D] output, this round's k and v [T, K, Dh] in the cache's dtype, for the caller
       to write after every layer has read the cache).
     """
-    q = rms_norm(project(h, p.wq), p.q_norm, cfg.rms_eps)
-    k = rms_norm(project(h, p.wk), p.k_norm, cfg.rms_eps)
-    v = project(h, p.wv)
-    gate = project(h, p.w_gate)
+    q, gate, k, v = input_projections(h, p, cfg)
+    q, k = rms_norm(q, p.q_norm, cfg.rms_eps), rms_norm(k, p.k_norm, cfg.rms_eps)
     inv_freq = rope_inv_freq(cfg)
     q = apply_rope(q, batch.positions, inv_freq)
     k = to_kv_dtype(apply_rope(k, batch.positions, inv_freq), kv.k.dtype)

@@ -21,7 +21,7 @@ from jaxllm.model.delta_mixer import Segments, delta_mixer, round_segments
 from jaxllm.model.forward import DecodeLookups, TokenBatch, _after, write_kv
 from jaxllm.model.gated_attention import gated_attention
 from jaxllm.model.kernel_choice import add_rms_norm, decode_delta_kernel, norm_kernel
-from jaxllm.model.layers import dense_mlp, moe_mlp
+from jaxllm.model.layers import dense_mlp, moe_mlp, project
 from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params
 from jaxllm.state import KVCache, RecurrentState
 from jaxllm.runtime_options import RuntimeOptions
@@ -33,11 +33,33 @@ def block_mlp(
     """The block's MLP on normed input: ([T, D] output, [E] tokens per expert or [0])."""
     if isinstance(p, DenseMlpParams):
         return dense_mlp(h, p), jnp.zeros((0,), jnp.int32)
-    out, experts = moe_mlp(h, p, cfg, valid)
-    if p.shared is not None:
-        gate = jax.nn.sigmoid(jnp.einsum("td,d->t", h, p.shared_gate).astype(jnp.float32))
-        out = out + (gate[:, None] * dense_mlp(h, p.shared).astype(jnp.float32)).astype(out.dtype)
+    if p.shared is None:
+        return moe_mlp(h, p, cfg, valid)
+    if p.w_in is None:
+        out, experts = moe_mlp(h, p, cfg, valid)
+        shared = dense_mlp(h, p.shared)
+        gate_logit = jnp.einsum("td,d->t", h, p.shared_gate)
+    else:
+        router, gate, up, gate_logit = _fused_products(h, p)
+        out, experts = moe_mlp(h, p, cfg, valid, router_logits=router)
+        shared = project(jax.nn.silu(gate) * up, p.shared.w_down)
+    gate = jax.nn.sigmoid(gate_logit.astype(jnp.float32))
+    out = out + (gate[:, None] * shared.astype(jnp.float32)).astype(out.dtype)
     return out, experts
+
+
+def _fused_products(h: jax.Array, p: MoeParams) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """From `p.w_in`: (router logits [T, E] float32, shared gate and up [T, Fs], shared-gate
+    logit [T]). At one decode row each matmul is a kernel launch; one product of the shared
+    input replaces four."""
+    E, Fs = p.w_gate.shape[-3], p.shared.w_down.shape[-2]
+    router, gate, up, gate_logit = jnp.split(project(h, p.w_in), [E, E + Fs, E + 2 * Fs], axis=-1)
+    return router.astype(jnp.float32), gate, up, gate_logit[:, 0]
+
+
+def router_logits(h: jax.Array, p: MoeParams) -> jax.Array:
+    """[T, E] float32 router logits of the normed input h [T, D], in either layout."""
+    return project(h, p.router).astype(jnp.float32) if p.w_in is None else _fused_products(h, p)[0]
 
 
 def _group_stack(tree, groups: int):

@@ -107,7 +107,13 @@ def dense_mlp(x: jax.Array, p: DenseMlpParams, *, kernel: str = "xla") -> jax.Ar
 
 
 def moe_mlp(
-    x: jax.Array, p: MoeParams, cfg: ModelConfig, valid: jax.Array, *, kernel: str | None = "auto"
+    x: jax.Array,
+    p: MoeParams,
+    cfg: ModelConfig,
+    valid: jax.Array,
+    *,
+    kernel: str | None = "auto",
+    router_logits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k routed experts with a grouped matmul: compute scales with tokens per expert.
 
@@ -119,13 +125,16 @@ def moe_mlp(
       kernel: "pallas" / "interpret" run the experts through `jaxllm.model.moe_kernels` (which
         read only routed experts' weights), None through `jax.lax.ragged_dot` (on CUDA, XLA
         makes that a dense dot over every expert); "auto" picks (`moe_kernel`).
+      router_logits: [T, E] float32 x . router, where the caller has them (from the hybrid
+        family's fused input product, `MoeParams.w_in`).
 
     Returns:
       ([T, D] output, [E] number of valid tokens routed to each expert).
     """
     T, D = x.shape
     E, k = cfg.n_experts, cfg.n_experts_per_token
-    router_logits = project(x, p.router).astype(jnp.float32)
+    if router_logits is None:
+        router_logits = project(x, p.router).astype(jnp.float32)
     probs = jax.nn.softmax(router_logits, axis=-1)
     top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
     if cfg.norm_topk_prob:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import lm_head
+from jaxllm.model.gated_attention import input_projections
 from jaxllm.model.hybrid import block_mlp
 from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq
 from jaxllm.params import GatedAttentionParams, MtpParams, Params
@@ -41,10 +42,8 @@ def _causal_gated_attention(h: jax.Array, p: GatedAttentionParams, positions: ja
     """Gated attention (as `gated_attention`) of [T, D] normed rows over themselves, causal
     by row order; no cache, since the head's K/V exist only for the rows it is given."""
     eps = cfg.rms_eps
-    q = rms_norm(project(h, p.wq), p.q_norm, eps)  # [T, H, Dh]
-    k = rms_norm(project(h, p.wk), p.k_norm, eps)  # [T, K, Dh]
-    v = project(h, p.wv)  # [T, K, Dh]
-    gate = project(h, p.w_gate)  # [T, H, Dh]
+    q, gate, k, v = input_projections(h, p, cfg)  # q, gate [T, H, Dh]; k, v [T, K, Dh]
+    q, k = rms_norm(q, p.q_norm, eps), rms_norm(k, p.k_norm, eps)
     inv_freq = rope_inv_freq(cfg)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jaxllm.config import LINEAR_ATTENTION, ModelConfig
 from jaxllm.model.delta_mixer import Segments, delta_mixer
 from jaxllm.model.forward import lm_head
-from jaxllm.model.hybrid import block_mlp
+from jaxllm.model.gated_attention import input_projections
+from jaxllm.model.hybrid import block_mlp, router_logits
 from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq
 from jaxllm.params import GatedAttentionParams, HybridBlockParams, MoeParams, Params
 from jaxllm.state import RecurrentState
@@ -28,7 +29,7 @@ from jaxllm.state import RecurrentState
 def router_choice(h: jax.Array, mlp: MoeParams, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The experts an MoE layer routes each token of normed input `h` [T, D] to: ([T, k] ids,
     [T, k] weights), softmax then top-k (renormalised where the config says so)."""
-    probs = jax.nn.softmax(project(h, mlp.router).astype(jnp.float32), axis=-1)
+    probs = jax.nn.softmax(router_logits(h, mlp), axis=-1)
     top_w, top_e = jax.lax.top_k(probs, cfg.n_experts_per_token)
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
@@ -49,13 +50,12 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig)
 
 def _gated_attention(h: jax.Array, p: GatedAttentionParams, cfg: ModelConfig, positions: jax.Array):
     """`jaxllm.model.gated_attention` on one sequence with its weights kept."""
-    q = rms_norm(project(h, p.wq), p.q_norm, cfg.rms_eps)
-    k = rms_norm(project(h, p.wk), p.k_norm, cfg.rms_eps)
-    v = project(h, p.wv)
+    q, gate, k, v = input_projections(h, p, cfg)
+    q, k = rms_norm(q, p.q_norm, cfg.rms_eps), rms_norm(k, p.k_norm, cfg.rms_eps)
     inv_freq = rope_inv_freq(cfg)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     attn, weights = causal_attention(q, k, v, cfg)
-    attn = attn * jax.nn.sigmoid(project(h, p.w_gate).astype(jnp.float32)).astype(attn.dtype)
+    attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
     return project(attn, p.wo, 2), weights
 
 
@@ -63,7 +63,7 @@ def _delta(h: jax.Array, p, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """`delta_mixer` on one fresh sequence: ([T, D] output, [T, Hv] Frobenius norm of each
     head's delta-rule state after each token)."""
     T = h.shape[0]
-    C = p.w_qkv.shape[-1]
+    C = cfg.conv_dim
     fresh = RecurrentState(
         conv=jnp.zeros((1, 1, cfg.conv_kernel - 1, C), jnp.float32),
         delta=jnp.zeros((1, 1, cfg.linear_n_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), jnp.float32),

@@ -53,6 +53,31 @@ TINY_DENSE = ModelConfig(
 )
 
 
+TINY_HYBRID_MTP = ModelConfig(
+    family="qwen3_next",
+    vocab_size=64,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=0,
+    max_position=64,
+    n_experts=4,
+    n_experts_per_token=2,
+    moe_ffn_dim=16,
+    shared_expert_ffn_dim=24,
+    layer_types=("linear_attention", "full_attention") * 2,
+    linear_n_k_heads=2,
+    linear_n_v_heads=4,
+    linear_k_dim=8,
+    linear_v_dim=8,
+    conv_kernel=4,
+    rotary_dim=4,
+    mtp_layers=1,
+)
+
+
 def assert_matches_hf(cfg: ModelConfig, params: Params, state: dict[str, np.ndarray], atol: float = 0.0) -> None:
     """Checks every param against the HF state dict through the einsum conventions."""
     params = canonical_params(params)  # load_model returns the runtime tree (fused, maybe unrolled)
@@ -368,6 +393,45 @@ def test_runtime_layout_round_trips(scan_layers: bool) -> None:
         chex.assert_trees_all_equal(canonical_params(out_in), params)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_hybrid_runtime_layout_fuses_and_round_trips(scan_layers: bool) -> None:
+    """Hybrid blocks run fused: DeltaNet's w_qkv|w_z|w_b|w_a as one w_in, gated attention's
+    q|gate|k|v as one w_qgkv, the router with the shared expert's gate/up and gate as the
+    MoE's w_in (a dense MLP's gate/up as w_gate_up; the MTP block stays as loaded). The
+    canonical tree comes back exactly, and the logits are those of one matrix a projection."""
+    from jaxllm.api import prompt_logits
+
+    dense_mlp = TINY_HYBRID_MTP.replace(n_experts=0, moe_ffn_dim=0, shared_expert_ffn_dim=0, ffn_dim=24, mtp_layers=0)
+    ids = jnp.asarray([5, 9, 33, 2, 61, 14, 14, 40, 3, 44, 12], jnp.int32)
+    for cfg in (TINY_HYBRID_MTP, dense_mlp):
+        # Larger weights than the dummy's, so the logits are far from uniform.
+        params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, dummy_params(cfg, seed=2))
+        runtime = layout_params(params, scan_layers)
+        lin, full = (runtime.layers.linear, runtime.layers.full)
+        lin, full = (lin, full) if scan_layers else (lin[0], full[0])
+        d, a = lin.mixer, full.mixer
+        assert d.w_in is not None and d.w_qkv is None and d.w_z is None and d.w_b is None and d.w_a is None
+        assert a.w_qgkv is not None and a.wq is None and a.w_gate is None and a.wk is None and a.wv is None
+        for mlp in (lin.mlp, full.mlp):
+            if cfg.is_moe:
+                assert mlp.w_in is not None and mlp.router is None and mlp.shared_gate is None
+                assert mlp.shared.w_gate is None and mlp.shared.w_up is None and mlp.shared.w_down is not None
+            else:
+                assert mlp.w_gate_up is not None and mlp.w_gate is None and mlp.w_up is None
+        if cfg.mtp_layers:
+            chex.assert_trees_all_equal(runtime.mtp, params.mtp)
+        chex.assert_trees_all_equal(canonical_params(runtime), params)
+        out_in = layout_params(params, scan_layers, out_in=True)  # the GPU's layout
+        fused = out_in.layers.full if scan_layers else out_in.layers.full[0]
+        assert isinstance(fused.mixer.w_qgkv, OutIn) and fused.mixer.w_qgkv.shape == a.w_qgkv.shape
+        chex.assert_trees_all_equal(canonical_params(out_in), params)
+
+        want = np.asarray(prompt_logits(layout_params(params, scan_layers, fuse=False), cfg, ids))
+        for laid_out in (runtime, out_in):
+            got = np.asarray(prompt_logits(laid_out, cfg, ids))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_large_dummy_leaves_draw_slice_by_slice(monkeypatch) -> None:
     """Leaves over `_SLICED_DRAW_BYTES` of float32 are drawn one leading slice at a time (so
     a 30B's expert stack never needs its whole float32 draw); the sharded one-call path
@@ -381,31 +445,6 @@ def test_large_dummy_leaves_draw_slice_by_slice(monkeypatch) -> None:
     w = np.asarray(params.layers.mlp.w_gate, np.float32)
     assert w.size * 4 > 4 * 500 and abs(float(w.std()) - 0.02) < 0.002
     assert not np.array_equal(w[0], w[1])  # each slice its own draw
-
-
-TINY_HYBRID_MTP = ModelConfig(
-    family="qwen3_next",
-    vocab_size=64,
-    d_model=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=0,
-    max_position=64,
-    n_experts=4,
-    n_experts_per_token=2,
-    moe_ffn_dim=16,
-    shared_expert_ffn_dim=24,
-    layer_types=("linear_attention", "full_attention") * 2,
-    linear_n_k_heads=2,
-    linear_n_v_heads=4,
-    linear_k_dim=8,
-    linear_v_dim=8,
-    conv_kernel=4,
-    rotary_dim=4,
-    mtp_layers=1,
-)
 
 
 @pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_HYBRID_MTP], ids=["dense", "hybrid"])
