@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark plan in one script (an H200 with JAX 0.11 + CUDA plugin, no network).
 # Usage (repo root, with the wheels of the packages the machine lacks in .whl/):
-#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|decode|kv8|moe|moe_engine|hybrid|spec|gemv|explain|prefill_profile][,...] [OUT_DIR]
+#   bash benchmarks/gpu.sh [engine|serve|all|flags|profile|decode|kv8|moe|moe_prefill|moe_engine|hybrid|spec|gemv|explain|prefill_profile][,...] [OUT_DIR]
 # Installs the project without touching the machine's jax (--no-deps --no-index), then runs
 # the engine cases (benchmarks/gpu_engine.py) and/or the server cases (jaxllm bench-serve
 # against `jaxllm serve --load-format dummy`), printing one table each.
@@ -93,6 +93,13 @@ if [[ $what == moe ]]; then
     ${MOE35_ARGS:-} 2>&1 | grep -v "^W0\|^I0\|^E0"
 fi
 
+# MoE prompt rounds (the TTFT targets): rows per grouped block and tiles at 2k tokens, both shapes.
+if [[ $what == moe_prefill ]]; then
+  timeout ${MOE_CHECK_S:-300} python3 benchmarks/moe_check.py --shapes qwen3.5-35b-a3b,qwen3-30b-a3b --tokens 2048 \
+    --parity-tokens 2048 --variants ours,grouped32,grouped64,grouped128 --sweep grouped64:2048,grouped128:2048 \
+    --sweep-set prefill --out "$out/moe-prefill.json" 2>&1 | grep -v "^W0\|^I0\|^E0"
+fi
+
 # Qwen3-30B-A3B in the engine: batch-1 decode, then 16 and 64 concurrent sequences at the mean
 # context of 1k-in/1k-out requests (1536); XLA's rematerialization warnings are printed.
 if [[ $what == moe_engine ]]; then
@@ -102,10 +109,11 @@ if [[ $what == moe_engine ]]; then
 fi
 
 # The hybrid family (issue 17) at Qwen3.5-35B-A3B's shape: batch-1 decode with and without
-# the Pallas DeltaNet decode kernel, a 2k-token prompt's first token, 16 and 64 concurrent.
+# the Pallas DeltaNet decode kernel, a 2k-token prompt's first token (with each DeltaNet state
+# pass, RuntimeOptions.prefill_delta), 16 and 64 concurrent.
 if [[ $what == hybrid ]]; then
   timeout ${HYBRID_S:-540} python3 -m benchmarks.hybrid_gpu --config ${HYBRID_CONFIG:-configs/qwen3.5-35b-a3b.json} \
-    --cases ${HYBRID_CASES:-a,aref,b,c} --out "$out/hybrid.json" 2>&1 | grep -E "^A |^B |^C |params ready|Error|error:|rematerial"
+    --cases ${HYBRID_CASES:-a,aref,b,b_unrolled,b_assoc,c} --out "$out/hybrid.json" 2>&1 | grep -E "^A |^B |^C |params ready|Error|error:|rematerial"
 fi
 
 # Speculative decoding's verify cost at batch 1 and drafting's cost at 64 concurrent (issue 19).

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.config import ModelConfig, load_config_json
+from jaxllm.config import load_config_json
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.orbax_io import load_orbax_model, restore_pytree, save_model, save_pytree
@@ -19,29 +19,9 @@ from jaxllm.params import layout_params, param_shapes
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
 from jaxllm.state import recurrent_bytes_per_sequence
+from tiny_configs import TINY_HYBRID_MOE  # tests/ is on sys.path (conftest)
 
-CFG = ModelConfig(
-    family="qwen3_next",
-    vocab_size=96,
-    d_model=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=0,
-    max_position=256,
-    n_experts=4,
-    n_experts_per_token=2,
-    moe_ffn_dim=16,
-    shared_expert_ffn_dim=24,
-    layer_types=("linear_attention", "full_attention") * 2,
-    linear_n_k_heads=2,
-    linear_n_v_heads=4,
-    linear_k_dim=8,
-    linear_v_dim=8,
-    conv_kernel=4,
-    rotary_dim=4,
-)
+CFG = TINY_HYBRID_MOE
 PROMPT = [5, 9, 33, 2, 71, 14, 14, 60, 3, 44, 12, 87, 6, 6, 19, 50, 23]
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
 

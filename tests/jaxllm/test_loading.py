@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from jaxllm.params import OutIn, Params, canonical_params, layout_params, param_
 from jaxllm.runtime_options import RuntimeOptions
 
 from hf_tiny import LLAMA3_ROPE, hf_to_gguf, make_tiny_hf_model, read_hf_state  # tests/ is on sys.path (conftest)
+from tiny_configs import TINY_HYBRID_MOE  # tests/ is on sys.path (conftest)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.json"))
 
@@ -53,29 +55,7 @@ TINY_DENSE = ModelConfig(
 )
 
 
-TINY_HYBRID_MTP = ModelConfig(
-    family="qwen3_next",
-    vocab_size=64,
-    d_model=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=0,
-    max_position=64,
-    n_experts=4,
-    n_experts_per_token=2,
-    moe_ffn_dim=16,
-    shared_expert_ffn_dim=24,
-    layer_types=("linear_attention", "full_attention") * 2,
-    linear_n_k_heads=2,
-    linear_n_v_heads=4,
-    linear_k_dim=8,
-    linear_v_dim=8,
-    conv_kernel=4,
-    rotary_dim=4,
-    mtp_layers=1,
-)
+TINY_HYBRID_MTP = dataclasses.replace(TINY_HYBRID_MOE, mtp_layers=1)
 
 
 def assert_matches_hf(cfg: ModelConfig, params: Params, state: dict[str, np.ndarray], atol: float = 0.0) -> None:

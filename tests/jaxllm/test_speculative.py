@@ -18,6 +18,7 @@ from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
 from jaxllm.speculative import DraftControl, NgramIndex, prompt_lookup
+from tiny_configs import TINY_HYBRID_MOE  # tests/ is on sys.path (conftest)
 
 DENSE = ModelConfig(
     family="llama",
@@ -30,28 +31,7 @@ DENSE = ModelConfig(
     ffn_dim=64,
     max_position=256,
 )
-HYBRID = ModelConfig(
-    family="qwen3_next",
-    vocab_size=96,
-    d_model=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=0,
-    max_position=256,
-    n_experts=4,
-    n_experts_per_token=2,
-    moe_ffn_dim=16,
-    shared_expert_ffn_dim=24,
-    layer_types=("linear_attention", "full_attention") * 2,
-    linear_n_k_heads=2,
-    linear_n_v_heads=4,
-    linear_k_dim=8,
-    linear_v_dim=8,
-    conv_kernel=4,
-    rotary_dim=4,
-)
+HYBRID = TINY_HYBRID_MOE
 PROMPTS = [[5, 9, 33, 2, 71, 5, 9, 33, 2, 71, 5, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7]]
 SAMPLERS = [
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
