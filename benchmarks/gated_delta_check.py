@@ -124,7 +124,7 @@ def check_prefill(runs: int, tokens: tuple[int, ...] = (512, 2048)) -> None:
             for name in ("HIGHEST", "HIGH", "DEFAULT"):
                 precision = getattr(lax.Precision, name)
                 fn = jax.jit(
-                    functools.partial(gated_delta_chunked, chunk=64, precision=precision, _state_pass=state_pass)
+                    functools.partial(gated_delta_chunked, chunk=64, precision=precision, state_pass=state_pass)
                 )
                 out, state = fn(*args)
                 if ref is None:

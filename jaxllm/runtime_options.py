@@ -14,13 +14,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxllm.model.gated_delta import STATE_PASSES
+
 KV_DTYPES: tuple[str, ...] = ("auto", "float8_e4m3fn")
 _CHOICES: dict[str, tuple[str, ...]] = {
     "decode_attention": ("auto", "reference", "interpret"),
     "decode_matmul": ("auto", "xla"),
     "decode_norm": ("auto", "xla", "interpret"),
     "decode_delta": ("auto", "reference", "interpret"),
-    "prefill_delta": ("scan", "unrolled", "assoc"),
+    "prefill_delta": STATE_PASSES,
     "weight_layout": ("auto", "in_out", "out_in"),
     "sampler_branches": ("auto", "cond", "select"),
     "kv_dtype": KV_DTYPES,

@@ -137,7 +137,7 @@ def _advance(
             deltas.append(delta)
         return jnp.concatenate(outs, axis=1), jnp.stack(deltas, axis=1)
     if chunked:
-        return gated_delta_chunked(x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK, _state_pass=state_pass)
+        return gated_delta_chunked(x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK, state_pass=state_pass)
     return gated_delta_recurrent(x.q, x.k, x.v, x.decay, x.beta, delta0)
 
 

@@ -139,7 +139,7 @@ def gated_delta_recurrent(
 STATE_PASSES = ("scan", "unrolled", "assoc")
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision", "_state_pass"))
+@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision", "state_pass"))
 def gated_delta_chunked(
     q: jax.Array,
     k: jax.Array,
@@ -151,7 +151,7 @@ def gated_delta_chunked(
     chunk: int = 64,
     qk_l2norm: bool = True,
     precision: lax.Precision | None = _HIGHEST,
-    _state_pass: str = "scan",
+    state_pass: str = "scan",
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule in chunks of L = `chunk` tokens (the WY / UT form): same
     arguments and results as `gated_delta_recurrent`, with the sequential part cut from T
@@ -170,8 +170,9 @@ def gated_delta_chunked(
         out_i = e^{c_i} S0^T q_i + sum_{j<=i} e^{c_i - c_j} (q_i . k_j) delta_j
         S_end = e^{c_last} S0 + sum_j e^{c_last - c_j} k_j delta_j^T.
 
-    Everything but S0 is computed for all chunks at once; a `lax.scan` over chunks carries
-    S. T is padded up to a multiple of L with g = 0, beta = 0 (state-neutral). Memory: the
+    Everything but S0 is computed for all chunks at once; `state_pass` (one of STATE_PASSES)
+    carries S from chunk to chunk: "scan" a `lax.scan` over chunks, "unrolled" the same scan
+    unrolled, "assoc" a parallel prefix (`_assoc_state_pass`). T is padded up to a multiple of L with g = 0, beta = 0 (state-neutral). Memory: the
     per-chunk [L, L] matrices are N x H x T x L floats.
     """
     N, T, H, Dk = k.shape
@@ -209,9 +210,9 @@ def gated_delta_chunked(
     chunk_decay = jnp.exp(cum[..., -1])  # [N, H, C]
 
     s0 = state.astype(jnp.float32)
-    if _state_pass == "assoc":
+    if state_pass == "assoc":
         new_state, out = _assoc_state_pass(u, w, intra, q_dec, k_dec, chunk_decay, s0, dot)  # [N, H, C, L, Dv]
-    elif _state_pass in ("scan", "unrolled"):
+    elif state_pass in ("scan", "unrolled"):
 
         def step(s, xs):  # s [N, H, Dk, Dv]
             u_c, w_c, intra_c, q_c, k_c, d_c = xs
@@ -221,11 +222,11 @@ def gated_delta_chunked(
             return s, out
 
         xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, intra, q_dec, k_dec, chunk_decay))  # chunks first
-        unroll = C if _state_pass == "unrolled" else 1
+        unroll = C if state_pass == "unrolled" else 1
         new_state, out = lax.scan(step, s0, xs, unroll=unroll)  # out [C, N, H, L, Dv]
         out = jnp.moveaxis(out, 0, 2)
     else:
-        raise ValueError(f"state pass must be one of {STATE_PASSES}, got {_state_pass!r}")
+        raise ValueError(f"state pass must be one of {STATE_PASSES}, got {state_pass!r}")
     out = out.reshape(N, H, C * L, Dv)[:, :, :T]
     return jnp.moveaxis(out, 1, 2).astype(q.dtype), new_state
 

@@ -20,8 +20,8 @@ CHUNK = 16
 RULES = {
     "recurrent": lambda *a, **kw: gated_delta_recurrent(*a, **kw),
     "chunked": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, **kw),
-    "chunked_unrolled": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, _state_pass="unrolled", **kw),
-    "chunked_assoc": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, _state_pass="assoc", **kw),
+    "chunked_unrolled": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, state_pass="unrolled", **kw),
+    "chunked_assoc": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, state_pass="assoc", **kw),
 }
 
 

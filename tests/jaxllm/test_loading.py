@@ -446,20 +446,16 @@ def test_dummy_layers_drawn_unrolled_equal_the_stack_unstacked(monkeypatch, cfg:
         assert unrolled.mtp.block.attn_norm.shape[0] == cfg.mtp_layers  # the MTP block stays stacked
 
 
-def test_the_dummy_loader_draws_the_runtime_layout(tmp_path: Path) -> None:
+def _llama_preset(tmp_path: Path, n_layers: int) -> Path:
+    """A tiny llama preset JSON (HF config keys) for `--load-format dummy`."""
     preset = tmp_path / "tiny.json"
-    preset.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "vocab_size": 32,
-                "hidden_size": 16,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "intermediate_size": 24,
-            }
-        )
-    )
+    config = dict(model_type="llama", vocab_size=32, hidden_size=16, num_attention_heads=2, intermediate_size=24)
+    preset.write_text(json.dumps({**config, "num_hidden_layers": n_layers}))
+    return preset
+
+
+def test_the_dummy_loader_draws_the_runtime_layout(tmp_path: Path) -> None:
+    preset = _llama_preset(tmp_path, n_layers=2)
     options = RuntimeOptions(dtype="float32", scan_layers=False, weight_layout="in_out")
     cfg, loaded = load_model(str(preset), fmt="dummy", options=options)
     assert isinstance(loaded.layers, tuple)
@@ -487,19 +483,7 @@ def test_dummy_allocates_tiny(tmp_path: Path) -> None:
     assert float(jnp.std(params.layers.attn.wq)) == pytest.approx(0.02, rel=0.2)
     assert bool(jnp.all(params.layers.attn_norm == 1)) and bool(jnp.all(params.final_norm == 1))
     chex.assert_trees_all_equal(dummy_params(cfg, seed=1), params)  # deterministic per seed
-    preset = tmp_path / "tiny.json"
-    preset.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "vocab_size": 32,
-                "hidden_size": 16,
-                "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "intermediate_size": 24,
-            }
-        )
-    )
+    preset = _llama_preset(tmp_path, n_layers=1)
     cfg2, p2 = load_model(str(preset), fmt="dummy", options=RuntimeOptions(dtype="bfloat16"))
     assert cfg2.vocab_size == 32 and p2.embed.dtype == jnp.bfloat16
 
