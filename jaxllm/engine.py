@@ -35,11 +35,14 @@ from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row
 
 
 # A verification round of 1 + 3 tokens a sequence, in steps of a plain multi-step decode
-# call, by backend (`EngineConfig.verify_cost`). GPU: an H100, 8B, batch 1, 11.17 ms against
-# 5.75 ms a step of an 8-step call (docs/benchmarks.md), 1.94. CPU: SmolLM2-135M shape at 256
-# context, 16 sequences, 3.83 steps of a 4-step call (bound by arithmetic; 2.07 at one
-# sequence, where the rule does not apply; docs/lab/spec-load.md).
-VERIFY_COST_STEPS = {"gpu": 2.0, "cpu": 3.8}
+# call, by backend and model kind (`EngineConfig.verify_cost`). GPU dense: an H100, 8B, batch
+# 1, 11.17 ms against 5.75 ms a step of an 8-step call, 1.94 (docs/benchmarks.md). GPU MoE:
+# an H200, Qwen3.5-35B-A3B shape with its MTP head drafting, batch 1, 12.43 ms against 3.10
+# ms, 4.01: four tokens route to ~4x the experts one does (random routing of dummy weights),
+# and the head drafts three times. CPU: SmolLM2-135M shape at 256 context, 16 sequences, 3.83
+# steps of a 4-step call (bound by arithmetic; 2.07 at one sequence; docs/lab/spec-load.md);
+# the CPU's MoE cost is not measured apart.
+VERIFY_COST_STEPS = {("gpu", False): 2.0, ("gpu", True): 4.0, ("cpu", False): 3.8, ("cpu", True): 3.8}
 
 
 class EngineFull(RuntimeError):
@@ -99,8 +102,8 @@ class EngineConfig:
     # overlap of prefill and decode, no speculative decoding (docs/research.md).
     batch_invariant: bool = False
     # A verification round's cost in steps of a plain multi-step decode call, which decides
-    # whether drafts pay at several decoding sequences (`Engine._verify_pays`); None: the
-    # figure measured on the default backend (`VERIFY_COST_STEPS`).
+    # whether drafts pay (`Engine._verify_pays`); None: the figure measured on the default
+    # backend for the model's kind, dense or MoE (`VERIFY_COST_STEPS`).
     verify_cost: float | None = None
 
     def __post_init__(self) -> None:
@@ -317,7 +320,8 @@ class Engine:
         self.mtp_drafts = bool(
             config.max_drafts and not config.batch_invariant and cfg.mtp_layers and params.mtp is not None
         )
-        self.verify_cost = config.verify_cost or VERIFY_COST_STEPS["gpu" if jax.default_backend() == "gpu" else "cpu"]
+        backend = "gpu" if jax.default_backend() == "gpu" else "cpu"
+        self.verify_cost = config.verify_cost or VERIFY_COST_STEPS[backend, cfg.is_moe]
         self._last_round = ""  # batch-invariant rounds alternate "chunk" and "decode"
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
@@ -838,13 +842,18 @@ class Engine:
         tok/s): prompt lookup rarely hits random prompts, but some sequence was always
         retrying a lone draft, and its retry took everyone's 8-step call.
 
-        A single decoding sequence, or one-step calls, always verify: single-stream drafting
-        keeps its gains (2.31x on the CPU's edit workload; `DraftControl` turns it down when
-        its drafts miss). The tokens never depend on the choice: a verification round accepts
-        exactly what decoding would have drawn, stateful samplers included.
+        One-step calls always verify, and so does a single decoding sequence while a round
+        of `max_drafts` all accepted would pay: single-stream drafting keeps its gains (2.31x
+        on the CPU's edit workload; `DraftControl` turns it down when its drafts miss), but
+        where a round costs more steps than it can ever emit (the 35B-A3B shape's MTP rounds
+        on an H200: 4.01 steps for at most 4 tokens) drafting is off. The tokens never depend
+        on the choice: a verification round accepts exactly what decoding would have drawn,
+        stateful samplers included.
         """
-        if self.config.decode_steps_per_call <= 1 or len(decoding) <= 1:
+        if self.config.decode_steps_per_call <= 1:
             return True
+        if len(decoding) <= 1:
+            return 1 + self.config.max_drafts > self.verify_cost
         expected = float(len(decoding) - len(planned))  # a sequence without drafts emits one token
         for slot, k in planned.items():
             control = self.seqs[slot].drafting

@@ -91,9 +91,8 @@ class EngineShape:
     # Speculative decoding: prompt-lookup drafts verified per sequence and round (0 = off);
     # a request's `drafts` may ask for fewer.
     max_drafts: int | None = None
-    # A verification round's cost in steps of a plain decode call, above which drafts at
-    # several decoding sequences must pay (None: the backend's measured figure;
-    # EngineConfig.verify_cost).
+    # A verification round's cost in steps of a plain decode call, which drafts must pay
+    # (None: the figure measured on the backend for the model's kind; EngineConfig.verify_cost).
     verify_cost: float | None = None
     # The research samplers (typical-p, epsilon, eta, top-nσ, DRY, XTC, mirostat) as request
     # fields: per-slot state rows and a costlier sampler in every round.

@@ -10,7 +10,14 @@ import pytest
 
 from jaxllm.config import ModelConfig
 from jaxllm.model.layers import moe_mlp
-from jaxllm.model.moe_kernels import grouped_blocks, moe_ffn, moe_ffn_reference, moe_layout
+from jaxllm.model.moe_kernels import (
+    WIDE_BLOCK_M,
+    default_block_m,
+    grouped_blocks,
+    moe_ffn,
+    moe_ffn_reference,
+    moe_layout,
+)
 from jaxllm.params import MoeParams
 
 # Small tiles, so the tiny shapes still take several K steps and column tiles.
@@ -125,3 +132,17 @@ def test_moe_mlp_kernel_matches_ragged_dot_path(dtype, T):
     r, o = np.asarray(ref, np.float32), np.asarray(ours, np.float32)
     tol = 1e-5 if dtype == "float32" else 2e-2
     assert np.linalg.norm(o - r) / np.linalg.norm(r) < tol
+
+
+def test_prompt_rounds_take_wide_blocks_and_match_the_reference():
+    """From 64 rows an expert the default blocks are 64 rows with 128-wide down tiles
+    (`WIDE_BLOCK_TILES`, the prompt-round launch): same results as the reference."""
+    rng = np.random.default_rng(3)
+    T, E, k, D, F = 128, 4, 2, 128, 32
+    assert default_block_m(T * k, E) == WIDE_BLOCK_M
+    wg, wu, wd = _weights(rng, E, D, F)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    top_e, top_w = _routing(rng, T, E, k, False)
+    ours = moe_ffn(x, top_e, top_w, wg, wu, wd, _layout="grouped", interpret=True)
+    ref = moe_ffn_reference(x, top_e, top_w, wg, wu, wd)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-5, atol=2e-5)

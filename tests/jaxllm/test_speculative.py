@@ -59,7 +59,7 @@ def model(request):
     return cfg, jax.tree.map(lambda x: x * scale if x.ndim > 1 else x, dummy_params(cfg, seed=1))
 
 
-def run(model, prompts, sampling, *, max_drafts=0, source=None, steps=1):
+def run(model, prompts, sampling, *, max_drafts=0, source=None, steps=1, verify_cost=2.0):
     cfg, params = model
     config = EngineConfig(
         max_slots=4,
@@ -70,7 +70,7 @@ def run(model, prompts, sampling, *, max_drafts=0, source=None, steps=1):
         decode_widths=(1, 2),
         max_drafts=max_drafts,
         decode_steps_per_call=steps,
-        verify_cost=2.0,  # the GPU's: the same rounds on any backend
+        verify_cost=verify_cost,  # default: the GPU's for dense models, the same rounds on any backend
     )
     engine = Engine(cfg, params, eos_ids=[0], config=config, **({} if source is None else {"draft_source": source}))
     seqs = [engine.add(p, sampling) for p in prompts]
@@ -312,6 +312,20 @@ def test_a_lone_draft_does_not_turn_a_wide_multi_step_round_into_a_verification(
     assert engine.draft_stats.proposed.sum() > 0
     everyone = lambda tokens, k: [tokens[-1]] * k  # noqa: E731
     _, _, engine = run(model, PROMPTS, sampling, max_drafts=3, source=everyone, steps=3)
+    assert engine.draft_stats.proposed.sum() > 0
+
+
+def test_a_lone_sequence_does_not_draft_where_no_round_could_pay(model):
+    """Where a verification round costs more plain steps than 1 + max_drafts tokens (the
+    35B-A3B shape's MTP rounds on an H200: 4.01), even a lone sequence keeps its multi-step
+    calls; below that bound it verifies as before."""
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    everyone = lambda tokens, k: [tokens[-1]] * k  # noqa: E731
+    alone, _, _ = run(model, PROMPTS[:1], sampling)
+    drafted, _, engine = run(model, PROMPTS[:1], sampling, max_drafts=3, source=everyone, steps=3, verify_cost=4.01)
+    assert engine.draft_stats.proposed.sum() == 0
+    assert drafted[0].generated == alone[0].generated
+    _, _, engine = run(model, PROMPTS[:1], sampling, max_drafts=3, source=everyone, steps=3, verify_cost=3.9)
     assert engine.draft_stats.proposed.sum() > 0
 
 
