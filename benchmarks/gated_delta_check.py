@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxllm.model.gated_delta import STATE_PASSES, gated_delta_chunked, gated_delta_recurrent
+from jaxllm.model.gated_delta import gated_delta_chunked, gated_delta_recurrent
 from jaxllm.model.gated_delta_kernel import gated_delta_decode
 
 REAL = dict(H=32, Dk=128, Dv=128, layers=30, slots=64, widths=(1, 16, 64))
@@ -111,31 +111,27 @@ def check_decode(shape: dict, dtype, runs: int, interpret: bool) -> None:
 
 
 def check_prefill(runs: int, tokens: tuple[int, ...] = (512, 2048)) -> None:
-    """XLA's chunked WY form by state pass (`STATE_PASSES`: a `lax.scan` over chunks, the
-    same unrolled, or a parallel prefix over the chunks' affine maps) and matmul precision
-    (HIGHEST: float32 on the FMA units; HIGH: three bf16 passes on the tensor cores; DEFAULT:
-    TF32 / one bf16 pass); errors against the scan at HIGHEST. The prefill of every DeltaNet
-    layer runs this form."""
+    """XLA's chunked WY form (`gated_delta_chunked`, its chunk loop unrolled) by matmul
+    precision (HIGHEST: float32 on the FMA units; HIGH: three bf16 passes on the tensor cores;
+    DEFAULT: TF32 / one bf16 pass, what the model's prompt chunks ask for); errors against
+    HIGHEST. The prefill of every DeltaNet layer runs this form."""
     H, Dk, Dv = REAL["H"], REAL["Dk"], REAL["Dv"]
     for T in tokens:
         args = rule_inputs(jax.random.PRNGKey(T), 1, T, H, Dk, Dv, jnp.bfloat16)
         ref = None
-        for state_pass in STATE_PASSES:
-            for name in ("HIGHEST", "HIGH", "DEFAULT"):
-                precision = getattr(lax.Precision, name)
-                fn = jax.jit(
-                    functools.partial(gated_delta_chunked, chunk=64, precision=precision, state_pass=state_pass)
-                )
-                out, state = fn(*args)
-                if ref is None:
-                    ref = (out, state)
-                t = median_seconds(lambda: fn(*args), runs)
-                out_err, state_err = errors(out, ref[0]), errors(state, ref[1])
-                print(
-                    f"prefill jnp WY T={T:5d} pass={state_pass:8s} precision={name:8s} {t * 1e3:.3f} ms  "
-                    f"out rel {out_err[1]:.2e}  state rel {state_err[1]:.2e}",
-                    flush=True,
-                )
+        for name in ("HIGHEST", "HIGH", "DEFAULT"):
+            precision = getattr(lax.Precision, name)
+            fn = jax.jit(functools.partial(gated_delta_chunked, chunk=64, precision=precision))
+            out, state = fn(*args)
+            if ref is None:
+                ref = (out, state)
+            t = median_seconds(lambda: fn(*args), runs)
+            out_err, state_err = errors(out, ref[0]), errors(state, ref[1])
+            print(
+                f"prefill jnp WY T={T:5d} precision={name:8s} {t * 1e3:.3f} ms  "
+                f"out rel {out_err[1]:.2e}  state rel {state_err[1]:.2e}",
+                flush=True,
+            )
 
 
 def main() -> None:

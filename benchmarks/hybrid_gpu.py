@@ -7,8 +7,7 @@ groups). Cases, one line each as they finish:
 
 * a: batch-1 decode, `--steps` steps per call, after a `--context`-token prompt; "aref" the
   same with the jnp recurrence instead of the Pallas DeltaNet decode kernel.
-* b: time to first token of one 2,048-token prompt (one 2,048-token chunk, warm); "b_assoc",
-  "b_unrolled" the same with that DeltaNet state pass (`RuntimeOptions.prefill_delta`).
+* b: time to first token of one 2,048-token prompt (one 2,048-token chunk, warm).
 * c: decode step of `--c-slots` concurrent sequences at `--c-context` positions (1,536: the
   mean context of 1k-in / 1k-out requests).
 """
@@ -80,10 +79,8 @@ def main() -> None:
         )
         eng = None
 
-    # "b" at the options' DeltaNet state pass, "b_<pass>" at another (RuntimeOptions.prefill_delta).
-    for case in [c for c in cases if c == "b" or c.startswith("b_")]:
-        b_opts = opts if case == "b" else opts.replace(prefill_delta=case[2:])
-        eng = engine_for(cfg, b_opts, params, slots=1, max_seq_len=2048 + 64, chunk=2048, steps=1)
+    if "b" in cases:
+        eng = engine_for(cfg, opts, params, slots=1, max_seq_len=2048 + 64, chunk=2048, steps=1)
         prompt = rng.integers(0, cfg.vocab_size, 2048).tolist()
 
         def one_prefill():
@@ -93,11 +90,8 @@ def main() -> None:
             eng.remove(seq)
 
         ms = timed(one_prefill, repeats=5) * 1e3
-        results[f"{case}_ttft_2k_ms"] = ms
-        print(
-            f"B 2k-token prompt, prefill_delta={b_opts.prefill_delta}: first token after {ms:.1f} ms (engine, warm)",
-            flush=True,
-        )
+        results["b_ttft_2k_ms"] = ms
+        print(f"B 2k-token prompt: first token after {ms:.1f} ms (engine, warm)", flush=True)
         eng = None
 
     for slots in [int(n) for n in args.c_slots.split(",")] if "c" in cases else []:

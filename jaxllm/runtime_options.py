@@ -14,15 +14,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxllm.model.gated_delta import STATE_PASSES
-
 KV_DTYPES: tuple[str, ...] = ("auto", "float8_e4m3fn")
 _CHOICES: dict[str, tuple[str, ...]] = {
     "decode_attention": ("auto", "reference", "interpret"),
     "decode_matmul": ("auto", "xla"),
     "decode_norm": ("auto", "xla", "interpret"),
     "decode_delta": ("auto", "reference", "interpret"),
-    "prefill_delta": STATE_PASSES,
     "weight_layout": ("auto", "in_out", "out_in"),
     "sampler_branches": ("auto", "cond", "select"),
     "kv_dtype": KV_DTYPES,
@@ -64,11 +61,6 @@ class RuntimeOptions:
     # in place) where it compiles (GPU), the jnp recurrence elsewhere; "reference" forces the
     # jnp path; "interpret" runs the Pallas kernel in its interpreter (CPU tests of the wiring).
     decode_delta: str = "auto"
-    # How prompt chunks of Gated DeltaNet layers carry the delta-rule state from one 64-token
-    # chunk to the next (`gated_delta.gated_delta_chunked`'s state pass): "scan" a loop over
-    # chunks, "unrolled" the same loop unrolled, "assoc" a parallel prefix over the chunks'
-    # affine maps. Under measurement on the GPU (docs/lab/hybrid-h200.md).
-    prefill_delta: str = "scan"
     # The sampler's cheap optional parts (random draws, grammar mask): "cond" runs each only
     # when some row needs it (`lax.cond`); "select" always runs them and selects the results.
     # On the GPU every conditional makes the host wait for the device to read its predicate,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import TokenBatch
@@ -120,7 +121,6 @@ def _advance(
     *,
     chunked: bool,
     snapshots: bool = False,
-    state_pass: str = "scan",
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the delta rule over the segments' tokens from their matrices `delta0`.
 
@@ -137,7 +137,11 @@ def _advance(
             deltas.append(delta)
         return jnp.concatenate(outs, axis=1), jnp.stack(deltas, axis=1)
     if chunked:
-        return gated_delta_chunked(x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK, state_pass=state_pass)
+        # DEFAULT precision (TF32 on GPUs): 2.094 -> 1.438 ms at T=2048 on an H200, errors far
+        # below bfloat16's; the CPU computes float32 dots in full precision regardless.
+        return gated_delta_chunked(
+            x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK, precision=lax.Precision.DEFAULT
+        )
     return gated_delta_recurrent(x.q, x.k, x.v, x.decay, x.beta, delta0)
 
 
@@ -165,7 +169,6 @@ def delta_mixer(
     snapshots: bool = False,
     pool: jax.Array | None = None,
     kernel: str | None = None,
-    state_pass: str = "scan",
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """One DeltaNet layer over the round.
 
@@ -178,8 +181,6 @@ def delta_mixer(
         Dk, Dv] as the layer scan carries them: decode rows are advanced in it in place by
         `gated_delta_decode` (their state is read once and written once), and chunk
         segments read their matrices from it. Without, both read `recurrent.delta`.
-      state_pass: how prompt chunks carry the state between 64-token chunks
-        (RuntimeOptions.prefill_delta).
 
     Returns:
       ([T, D] output, new conv windows [R, Kc-1, C], new delta matrices [R', Hv, Dk, Dv] or
@@ -220,7 +221,7 @@ def delta_mixer(
             )
             out = out[:, None]
         else:
-            out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots, state_pass=state_pass)
+            out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots)
             deltas.append(delta)
         rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
         core = core.at[rows].set(out, mode="drop")

@@ -25,8 +25,10 @@ lengths itself, since its window must skip padding.
 Axis letters: N segments, T tokens, H value heads (q and k already repeated to H by the
 caller), Dk key dim, Dv value dim, C conv channels, K conv kernel width, L chunk length
 (inside `gated_delta_chunked`, C counts chunks instead).
-All arithmetic is float32; the matrix products ask for full float32 precision (`precision`),
-since on GPUs XLA's default would round float32 operands to TF32.
+All arithmetic is float32; `precision` sets the matrix products' precision. It defaults to
+HIGHEST (full float32) for the oracle use in tests; prompt chunks in the model ask for DEFAULT
+(`delta_mixer._advance`), which on GPUs rounds the operands to TF32 on the tensor cores (on
+the CPU float32 dots are computed in full float32 either way).
 """
 
 from __future__ import annotations
@@ -135,11 +137,7 @@ def gated_delta_recurrent(
     return jnp.moveaxis(out, 0, 1).astype(q.dtype), new_state
 
 
-# How `gated_delta_chunked` carries the state from chunk to chunk (see there).
-STATE_PASSES = ("scan", "unrolled", "assoc")
-
-
-@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision", "state_pass"))
+@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision"))
 def gated_delta_chunked(
     q: jax.Array,
     k: jax.Array,
@@ -151,7 +149,6 @@ def gated_delta_chunked(
     chunk: int = 64,
     qk_l2norm: bool = True,
     precision: lax.Precision | None = _HIGHEST,
-    state_pass: str = "scan",
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule in chunks of L = `chunk` tokens (the WY / UT form): same
     arguments and results as `gated_delta_recurrent`, with the sequential part cut from T
@@ -170,10 +167,9 @@ def gated_delta_chunked(
         out_i = e^{c_i} S0^T q_i + sum_{j<=i} e^{c_i - c_j} (q_i . k_j) delta_j
         S_end = e^{c_last} S0 + sum_j e^{c_last - c_j} k_j delta_j^T.
 
-    Everything but S0 is computed for all chunks at once; `state_pass` (one of STATE_PASSES)
-    carries S from chunk to chunk: "scan" a `lax.scan` over chunks, "unrolled" the same scan
-    unrolled, "assoc" a parallel prefix (`_assoc_state_pass`). T is padded up to a multiple of L with g = 0, beta = 0 (state-neutral). Memory: the
-    per-chunk [L, L] matrices are N x H x T x L floats.
+    Everything but S0 is computed for all chunks at once; a fully unrolled `lax.scan` over
+    the chunks carries S from chunk to chunk. T is padded up to a multiple of L with g = 0,
+    beta = 0 (state-neutral). Memory: the per-chunk [L, L] matrices are N x H x T x L floats.
     """
     N, T, H, Dk = k.shape
     Dv = v.shape[-1]
@@ -210,55 +206,23 @@ def gated_delta_chunked(
     chunk_decay = jnp.exp(cum[..., -1])  # [N, H, C]
 
     s0 = state.astype(jnp.float32)
-    if state_pass == "assoc":
-        new_state, out = _assoc_state_pass(u, w, intra, q_dec, k_dec, chunk_decay, s0, dot)  # [N, H, C, L, Dv]
-    elif state_pass in ("scan", "unrolled"):
 
-        def step(s, xs):  # s [N, H, Dk, Dv]
-            u_c, w_c, intra_c, q_c, k_c, d_c = xs
-            delta = u_c - dot("nhlk,nhkv->nhlv", w_c, s)
-            out = dot("nhlk,nhkv->nhlv", q_c, s) + dot("nhij,nhjv->nhiv", intra_c, delta)
-            s = d_c[:, :, None, None] * s + dot("nhlk,nhlv->nhkv", k_c, delta)
-            return s, out
+    def step(s, xs):  # s [N, H, Dk, Dv]
+        u_c, w_c, intra_c, q_c, k_c, d_c = xs
+        delta = u_c - dot("nhlk,nhkv->nhlv", w_c, s)
+        out = dot("nhlk,nhkv->nhlv", q_c, s) + dot("nhij,nhjv->nhiv", intra_c, delta)
+        s = d_c[:, :, None, None] * s + dot("nhlk,nhlv->nhkv", k_c, delta)
+        return s, out
 
-        xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, intra, q_dec, k_dec, chunk_decay))  # chunks first
-        unroll = C if state_pass == "unrolled" else 1
-        new_state, out = lax.scan(step, s0, xs, unroll=unroll)  # out [C, N, H, L, Dv]
-        out = jnp.moveaxis(out, 0, 2)
-    else:
-        raise ValueError(f"state pass must be one of {STATE_PASSES}, got {state_pass!r}")
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, intra, q_dec, k_dec, chunk_decay))  # chunks first
+    # Fully unrolled: it beat or tied the rolled loop everywhere measured (H200, H=32, Dk=Dv=128,
+    # HIGHEST: 0.584 vs 0.667 ms at T=512; 2k-token engine TTFT 114.2 vs 118.9 ms; CPU T=256
+    # 54.7 vs 63.7 ms), and a parallel prefix over the chunks' affine maps lost everywhere
+    # (0.746 ms at T=512, 108.1 ms on the CPU); see docs/lab/hybrid-h200.md.
+    new_state, out = lax.scan(step, s0, xs, unroll=C)  # out [C, N, H, L, Dv]
+    out = jnp.moveaxis(out, 0, 2)
     out = out.reshape(N, H, C * L, Dv)[:, :, :T]
     return jnp.moveaxis(out, 1, 2).astype(q.dtype), new_state
-
-
-def _assoc_state_pass(u, w, intra, q_dec, k_dec, chunk_decay, s0, dot) -> tuple[jax.Array, jax.Array]:
-    """The chunk-to-chunk state pass as a parallel prefix over affine maps instead of a loop.
-
-    Chunk c maps its initial state S to d_c S + Kd_c^T (U_c - W_c S) = M_c S + B_c with
-    M_c = d_c I - Kd_c^T W_c [Dk, Dk] and B_c = Kd_c^T U_c [Dk, Dv]; composing maps is
-    associative ((M2, B2) after (M1, B1) = (M2 M1, M2 B1 + B2)), so every chunk's initial
-    state comes from `lax.associative_scan` in log2(C) rounds of batched products rather than
-    C dependent steps, each a handful of small kernels. Then every chunk's output at once:
-    out_c = (Qd_c - intra_c W_c) S_c + intra_c U_c. The maps are products of d (I - beta k k^T)
-    factors, norm <= 1, so composing them is stable.
-
-    Returns (the state after the last chunk [N, H, Dk, Dv], outputs [N, H, C, L, Dv]).
-    """
-    Dk = w.shape[-1]
-    eye = jnp.eye(Dk, dtype=jnp.float32)
-    m = chunk_decay[..., None, None] * eye - dot("nhclk,nhclj->nhckj", k_dec, w)  # [N, H, C, Dk, Dk]
-    b = dot("nhclk,nhclv->nhckv", k_dec, u)  # [N, H, C, Dk, Dv]
-
-    def compose(earlier, later):
-        (m1, b1), (m2, b2) = earlier, later
-        return dot("...ij,...jk->...ik", m2, m1), dot("...ij,...jk->...ik", m2, b1) + b2
-
-    m_to, b_to = lax.associative_scan(compose, (m, b), axis=2)  # maps from S0 to each chunk's end
-    ends = dot("nhcij,nhjv->nhciv", m_to, s0) + b_to  # [N, H, C, Dk, Dv]
-    starts = jnp.concatenate([s0[:, :, None], ends[:, :, :-1]], axis=2)
-    p = q_dec - dot("nhcij,nhcjk->nhcik", intra, w)  # [N, H, C, L, Dk]
-    out = dot("nhclk,nhckv->nhclv", p, starts) + dot("nhcij,nhcjv->nhciv", intra, u)
-    return ends[:, :, -1], out
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -144,7 +144,6 @@ def hybrid_forward(
                         snapshots=snapshots,
                         pool=pool,
                         kernel=delta_kernel,
-                        state_pass=opts.prefill_delta,
                     ),
                 )
                 new_conv.append(conv)

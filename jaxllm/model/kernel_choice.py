@@ -23,7 +23,6 @@ _DEBUG_FIELDS = (
     "decode_matmul",
     "decode_norm",
     "decode_delta",
-    "prefill_delta",
     "sampler_branches",
     "weight_layout",
 )

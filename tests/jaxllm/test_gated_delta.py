@@ -20,8 +20,6 @@ CHUNK = 16
 RULES = {
     "recurrent": lambda *a, **kw: gated_delta_recurrent(*a, **kw),
     "chunked": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, **kw),
-    "chunked_unrolled": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, state_pass="unrolled", **kw),
-    "chunked_assoc": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, state_pass="assoc", **kw),
 }
 
 
@@ -121,11 +119,10 @@ def test_rule_without_l2norm(rule):
     assert not np.allclose(np.asarray(out), normed, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rule", ["chunked", "chunked_unrolled", "chunked_assoc"])
-def test_chunked_with_strong_decay_stays_finite(rule):
+def test_chunked_with_strong_decay_stays_finite():
     """Cumulative decays far below float32's exp range inside a chunk: no inf - inf."""
     q, k, v, g, beta, state, lengths = _rule_inputs(2, 2, 40, g_low=-60.0)
-    out, new_state = RULES[rule](q, k, v, g, beta, state)
+    out, new_state = RULES["chunked"](q, k, v, g, beta, state)
     ref_out, ref_state = _naive_rule(q, k, v, g, beta, state, lengths)
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(new_state)).all()
     _close(out, ref_out)
