@@ -42,7 +42,13 @@ from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row
 # and the head drafts three times. CPU: SmolLM2-135M shape at 256 context, 16 sequences, 3.83
 # steps of a 4-step call (bound by arithmetic; 2.07 at one sequence; docs/lab/spec-load.md);
 # the CPU's MoE cost is not measured apart.
-VERIFY_COST_STEPS = {("gpu", False): 2.0, ("gpu", True): 4.0, ("cpu", False): 3.8, ("cpu", True): 3.8}
+# Values: (at one decoding sequence, at several).
+VERIFY_COST_STEPS: dict[tuple[str, bool], tuple[float, float]] = {
+    ("gpu", False): (1.94, 2.0),
+    ("gpu", True): (4.01, 4.01),
+    ("cpu", False): (2.07, 3.8),
+    ("cpu", True): (2.07, 3.8),
+}
 
 
 class EngineFull(RuntimeError):
@@ -321,7 +327,10 @@ class Engine:
             config.max_drafts and not config.batch_invariant and cfg.mtp_layers and params.mtp is not None
         )
         backend = "gpu" if jax.default_backend() == "gpu" else "cpu"
-        self.verify_cost = config.verify_cost or VERIFY_COST_STEPS[backend, cfg.is_moe]
+        # (alone, at several sequences); a configured cost holds for both.
+        self.verify_cost: tuple[float, float] = (
+            (config.verify_cost, config.verify_cost) if config.verify_cost else VERIFY_COST_STEPS[backend, cfg.is_moe]
+        )
         self._last_round = ""  # batch-invariant rounds alternate "chunk" and "decode"
         # Ahead-of-time compiled round variants keyed by their static shape arguments
         # (filled by `warmup`); a round whose key is missing goes through `jax.jit`.
@@ -852,14 +861,15 @@ class Engine:
         """
         if self.config.decode_steps_per_call <= 1:
             return True
+        alone, several = self.verify_cost
         if len(decoding) <= 1:
-            return 1 + self.config.max_drafts > self.verify_cost
+            return 1 + self.config.max_drafts > alone
         expected = float(len(decoding) - len(planned))  # a sequence without drafts emits one token
         for slot, k in planned.items():
             control = self.seqs[slot].drafting
             assert control is not None  # only sequences that draft plan drafts
             expected += control.expected_tokens(k)
-        return expected >= self.verify_cost * len(decoding)
+        return expected >= several * len(decoding)
 
     def _launch_verify(
         self,
