@@ -356,6 +356,21 @@ def _unfuse_mlp(mlp: DenseMlpParams) -> DenseMlpParams:
     return mlp.replace(w_gate=w_gate, w_up=w_up, w_gate_up=None)
 
 
+def delta_in_splits(C: int, Hv: int, Dv: int) -> list[int]:
+    """Where `DeltaNetParams.w_in`'s output axis (and its product's) splits: qkv | z | b | a."""
+    return [C, C + Hv * Dv, C + Hv * Dv + Hv]
+
+
+def qgkv_splits(H: int, K: int) -> list[int]:
+    """Where `GatedAttentionParams.w_qgkv`'s heads axis splits: q | gate | k | v."""
+    return [H, 2 * H, 2 * H + K]
+
+
+def moe_in_splits(E: int, Fs: int) -> list[int]:
+    """Where `MoeParams.w_in`'s output axis splits: router | shared gate | shared up | shared-gate logit."""
+    return [E, E + Fs, E + 2 * Fs]
+
+
 def _fuse_block(b: HybridBlockParams) -> HybridBlockParams:
     """A hybrid block's projections of one input -> one matrix each: DeltaNet's w_in, gated
     attention's w_qgkv, the shared-expert MoE's w_in (router, shared gate/up, shared gate)."""
@@ -380,18 +395,18 @@ def _unfuse_block(b: HybridBlockParams) -> HybridBlockParams:
     m, mlp = b.mixer, b.mlp
     if isinstance(m, DeltaNetParams) and m.w_in is not None:
         C, (Hv, Dv) = m.conv.shape[-2], m.w_out.shape[-3:-1]
-        w_qkv, z, w_b, w_a = jnp.split(m.w_in, [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
+        w_qkv, z, w_b, w_a = jnp.split(m.w_in, delta_in_splits(C, Hv, Dv), axis=-1)
         m = m.replace(w_qkv=w_qkv, w_z=z.reshape(*z.shape[:-1], Hv, Dv), w_b=w_b, w_a=w_a, w_in=None)
     elif isinstance(m, GatedAttentionParams) and m.w_qgkv is not None:
         H = m.wo.shape[-3]
         K = (m.w_qgkv.shape[-2] - 2 * H) // 2
-        wq, w_gate, wk, wv = jnp.split(m.w_qgkv, [H, 2 * H, 2 * H + K], axis=-2)
+        wq, w_gate, wk, wv = jnp.split(m.w_qgkv, qgkv_splits(H, K), axis=-2)
         m = m.replace(wq=wq, w_gate=w_gate, wk=wk, wv=wv, w_qgkv=None)
     if isinstance(mlp, DenseMlpParams):
         mlp = _unfuse_mlp(mlp)
     elif mlp.w_in is not None:
         E, Fs = mlp.w_gate.shape[-3], mlp.shared.w_down.shape[-2]
-        router, w_gate, w_up, gate = jnp.split(mlp.w_in, [E, E + Fs, E + 2 * Fs], axis=-1)
+        router, w_gate, w_up, gate = jnp.split(mlp.w_in, moe_in_splits(E, Fs), axis=-1)
         shared = mlp.shared.replace(w_gate=w_gate, w_up=w_up)
         mlp = mlp.replace(router=router, shared=shared, shared_gate=gate[..., 0], w_in=None)
     return b.replace(mixer=m, mlp=mlp)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from jaxllm.config import ModelConfig
 
+# The linear-attention (DeltaNet) and partial-RoPE fields of the tiny hybrids.
+TINY_DELTANET = dict(
+    linear_n_k_heads=2, linear_n_v_heads=4, linear_k_dim=8, linear_v_dim=8, conv_kernel=4, rotary_dim=4
+)
+
 # A Qwen3-Next-shaped hybrid: DeltaNet and gated attention alternating, routed experts with a
 # shared expert; small enough that an engine compiles in seconds on the CPU.
 TINY_HYBRID_MOE = ModelConfig(
@@ -21,10 +26,5 @@ TINY_HYBRID_MOE = ModelConfig(
     moe_ffn_dim=16,
     shared_expert_ffn_dim=24,
     layer_types=("linear_attention", "full_attention") * 2,
-    linear_n_k_heads=2,
-    linear_n_v_heads=4,
-    linear_k_dim=8,
-    linear_v_dim=8,
-    conv_kernel=4,
-    rotary_dim=4,
+    **TINY_DELTANET,
 )

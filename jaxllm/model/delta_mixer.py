@@ -24,7 +24,7 @@ from jaxllm.model.forward import TokenBatch
 from jaxllm.model.gated_delta import causal_conv, gated_delta_chunked, gated_delta_recurrent, gated_rms_norm
 from jaxllm.model.gated_delta_kernel import gated_delta_decode
 from jaxllm.model.layers import project
-from jaxllm.params import DeltaNetParams
+from jaxllm.params import DeltaNetParams, delta_in_splits
 from jaxllm.state import RecurrentState
 
 # The chunk length of the WY form (the flash-linear-attention and transformers default).
@@ -153,7 +153,7 @@ def input_projections(
         return project(h, p.w_qkv), project(h, p.w_z), project(h, p.w_b), project(h, p.w_a)
     # At one decode row each matmul is a kernel launch; one product of the shared input replaces four.
     C, Hv, Dv = cfg.conv_dim, cfg.linear_n_v_heads, cfg.linear_v_dim
-    qkv, z, b, a = jnp.split(project(h, p.w_in), [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
+    qkv, z, b, a = jnp.split(project(h, p.w_in), delta_in_splits(C, Hv, Dv), axis=-1)
     return qkv, z.reshape(h.shape[0], Hv, Dv), b, a
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import DecodeLookups, TokenBatch, attend
 from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq
-from jaxllm.params import GatedAttentionParams
+from jaxllm.params import GatedAttentionParams, qgkv_splits
 from jaxllm.state import KVCache, to_kv_dtype
 from jaxllm.runtime_options import RuntimeOptions
 
@@ -26,7 +26,7 @@ def input_projections(
         return project(h, p.wq), project(h, p.w_gate), project(h, p.wk), project(h, p.wv)
     # At one decode row each matmul is a kernel launch; one product of the shared input replaces four.
     H, K = cfg.n_heads, cfg.n_kv_heads
-    q, gate, k, v = jnp.split(project(h, p.w_qgkv), [H, 2 * H, 2 * H + K], axis=1)
+    q, gate, k, v = jnp.split(project(h, p.w_qgkv), qgkv_splits(H, K), axis=1)
     return q, gate, k, v
 
 

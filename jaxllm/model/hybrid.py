@@ -22,7 +22,7 @@ from jaxllm.model.forward import DecodeLookups, TokenBatch, _after, write_kv
 from jaxllm.model.gated_attention import gated_attention
 from jaxllm.model.kernel_choice import add_rms_norm, decode_delta_kernel, norm_kernel
 from jaxllm.model.layers import dense_mlp, moe_mlp, project
-from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params
+from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params, moe_in_splits
 from jaxllm.state import KVCache, RecurrentState
 from jaxllm.runtime_options import RuntimeOptions
 
@@ -53,7 +53,7 @@ def _fused_products(h: jax.Array, p: MoeParams) -> tuple[jax.Array, jax.Array, j
     logit [T]). At one decode row each matmul is a kernel launch; one product of the shared
     input replaces four."""
     E, Fs = p.w_gate.shape[-3], p.shared.w_down.shape[-2]
-    router, gate, up, gate_logit = jnp.split(project(h, p.w_in), [E, E + Fs, E + 2 * Fs], axis=-1)
+    router, gate, up, gate_logit = jnp.split(project(h, p.w_in), moe_in_splits(E, Fs), axis=-1)
     return router.astype(jnp.float32), gate, up, gate_logit[:, 0]
 
 

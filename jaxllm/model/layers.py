@@ -106,6 +106,16 @@ def dense_mlp(x: jax.Array, p: DenseMlpParams, *, kernel: str = "xla") -> jax.Ar
     return project(jax.nn.silu(gate) * up, p.w_down, kernel=kernel)
 
 
+def route(router_logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """([T, k] routing weights, [T, k] expert ids) of [T, E] float32 router logits: softmax,
+    then top-k, renormalised where the config says so."""
+    probs = jax.nn.softmax(router_logits, axis=-1)
+    top_w, top_e = jax.lax.top_k(probs, cfg.n_experts_per_token)
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return top_w, top_e
+
+
 def moe_mlp(
     x: jax.Array,
     p: MoeParams,
@@ -135,10 +145,7 @@ def moe_mlp(
     E, k = cfg.n_experts, cfg.n_experts_per_token
     if router_logits is None:
         router_logits = project(x, p.router).astype(jnp.float32)
-    probs = jax.nn.softmax(router_logits, axis=-1)
-    top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w, top_e = route(router_logits, cfg)  # [T, k]
     counted = jnp.where(jnp.repeat(valid, k), 1, 0)
     expert_tokens = jnp.zeros((E,), jnp.int32).at[top_e.reshape(-1)].add(counted)
     kernel = moe_kernel(x.dtype, D, p.w_gate.shape[-1]) if kernel == "auto" else kernel

@@ -327,15 +327,15 @@ def moe_ffn(
     cfg = dict(DEFAULTS[layout])
     if set(dict(_config)) - set(cfg):
         raise ValueError(f"unknown launch settings {sorted(set(dict(_config)) - set(cfg))}")
-    if layout == "grouped" and (_block_m or default_block_m(T * k, E)) == WIDE_BLOCK_M:
+    bm = MIN_DOT if layout == "pairs" else (_block_m or default_block_m(T * k, E))
+    if layout == "grouped" and bm == WIDE_BLOCK_M:
         cfg.update(WIDE_BLOCK_TILES)
     cfg.update(dict(_config))
     if layout == "pairs":
-        blocks, bm = pair_blocks(top_e), MIN_DOT
+        blocks = pair_blocks(top_e)
         x_in = x
         row_w = top_w.reshape(-1).astype(jnp.float32)
-    elif layout == "grouped":
-        bm = _block_m or default_block_m(T * k, E)
+    else:  # grouped
         blocks = grouped_blocks(top_e, E, bm)
         x_in = x[blocks.rows]  # [n_blocks * bm, D], grouped by expert
         row_w = (
@@ -343,8 +343,6 @@ def moe_ffn(
             .at[blocks.out_row]
             .set(top_w.reshape(-1).astype(jnp.float32))
         )
-    else:
-        raise ValueError(f"layout must be pairs or grouped, got {layout!r}")
     n_rows = blocks.n_blocks * blocks.rows_per_block
     gu_bk, gu_bn = _pow2_block(D, cfg["gu_block_k"]), _pow2_block(F, cfg["gu_block_n"])
     dn_bk, dn_bn = _pow2_block(F, cfg["dn_block_k"]), _pow2_block(D, cfg["dn_block_n"])

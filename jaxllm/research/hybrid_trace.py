@@ -21,7 +21,7 @@ from jaxllm.model.delta_mixer import Segments, delta_mixer
 from jaxllm.model.forward import lm_head
 from jaxllm.model.gated_attention import input_projections
 from jaxllm.model.hybrid import block_mlp, router_logits
-from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq
+from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq, route
 from jaxllm.params import GatedAttentionParams, HybridBlockParams, MoeParams, Params
 from jaxllm.state import RecurrentState
 
@@ -29,10 +29,7 @@ from jaxllm.state import RecurrentState
 def router_choice(h: jax.Array, mlp: MoeParams, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The experts an MoE layer routes each token of normed input `h` [T, D] to: ([T, k] ids,
     [T, k] weights), softmax then top-k (renormalised where the config says so)."""
-    probs = jax.nn.softmax(router_logits(h, mlp), axis=-1)
-    top_w, top_e = jax.lax.top_k(probs, cfg.n_experts_per_token)
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w, top_e = route(router_logits(h, mlp), cfg)
     return top_e, top_w
 
 

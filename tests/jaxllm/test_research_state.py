@@ -16,6 +16,7 @@ from jaxllm.research.compare import research_engine, run_rows
 from jaxllm.sampling import SamplingParams
 from jaxllm.sequence_state import SequenceState
 from jaxllm.tokenizer import Tokenizer
+from tiny_configs import TINY_DELTANET
 
 TINY = ModelConfig(
     family="llama",
@@ -39,12 +40,7 @@ HYBRID = ModelConfig(
     ffn_dim=64,
     max_position=512,
     layer_types=("linear_attention", "full_attention"),
-    linear_n_k_heads=2,
-    linear_n_v_heads=4,
-    linear_k_dim=8,
-    linear_v_dim=8,
-    conv_kernel=4,
-    rotary_dim=4,
+    **TINY_DELTANET,
 )
 IDS = [5, 17, 33, 2, 60, 61, 9, 40, 12, 77, 3, 8, 19, 23]
 P = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, ignore_eos=True)
