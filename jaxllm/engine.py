@@ -35,13 +35,11 @@ from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row
 
 
 # A verification round of 1 + 3 tokens a sequence, in steps of a plain multi-step decode
-# call, by backend and model kind (`EngineConfig.verify_cost`). GPU dense: an H100, 8B, batch
-# 1, 11.17 ms against 5.75 ms a step of an 8-step call, 1.94 (docs/benchmarks.md). GPU MoE:
-# an H200, Qwen3.5-35B-A3B shape with its MTP head drafting, batch 1, 12.43 ms against 3.10
-# ms, 4.01: four tokens route to ~4x the experts one does (random routing of dummy weights),
-# and the head drafts three times. CPU: SmolLM2-135M shape at 256 context, 16 sequences, 3.83
-# steps of a 4-step call (bound by arithmetic; 2.07 at one sequence; docs/lab/spec-load.md);
-# the CPU's MoE cost is not measured apart.
+# call, by backend and model kind (`EngineConfig.verify_cost`), as measured
+# (docs/benchmarks.md, docs/lab/spec-load.md, docs/lab/hybrid-h200.md): GPU dense on the 8B,
+# GPU MoE on the 35B-A3B shape with its MTP head drafting (four tokens route to ~4x the
+# experts one does, and the head drafts three times), CPU on the SmolLM2-135M shape (bound by
+# arithmetic, so dearer at width); the CPU's MoE cost is not measured apart.
 # Values: (at one decoding sequence, at several).
 VERIFY_COST_STEPS: dict[tuple[str, bool], tuple[float, float]] = {
     ("gpu", False): (1.94, 2.0),
@@ -842,20 +840,19 @@ class Engine:
         down by load.
 
         A verification round is one step for every decoding slot, drafts or not, and it costs
-        `verify_cost` steps of a plain call of `decode_steps_per_call` steps (an H100, 8B: 1.94
-        for 1 + 3 tokens). A plain call emits one token per decoding sequence each step; the
+        `verify_cost` steps of a plain call of `decode_steps_per_call` steps
+        (`VERIFY_COST_STEPS`). A plain call emits one token per decoding sequence each step; the
         round emits 1 + a + ... + a^k for a sequence planning k drafts at its own acceptance
         a so far (`DraftControl.expected_tokens`), 1 for one without. So with B decoding
         sequences it verifies only when those tokens reach `verify_cost` x B. Without this,
-        64 concurrent 8B sequences on an H100 lost 31.4% of their throughput (5,158 -> 3,536
-        tok/s): prompt lookup rarely hits random prompts, but some sequence was always
-        retrying a lone draft, and its retry took everyone's 8-step call.
+        64 concurrent sequences lost a third of their throughput on a GPU (docs/lab/
+        hybrid-h200.md): prompt lookup rarely hits random prompts, but some sequence was
+        always retrying a lone draft, and its retry took everyone's multi-step call.
 
         One-step calls always verify, and so does a single decoding sequence while a round
-        of `max_drafts` all accepted would pay: single-stream drafting keeps its gains (2.31x
-        on the CPU's edit workload; `DraftControl` turns it down when its drafts miss), but
-        where a round costs more steps than it can ever emit (the 35B-A3B shape's MTP rounds
-        on an H200: 4.01 steps for at most 4 tokens) drafting is off. The tokens never depend
+        of `max_drafts` all accepted would pay: single-stream drafting keeps its gains
+        (`DraftControl` turns it down when its drafts miss), but where a round costs more
+        steps than it can ever emit (the 35B-A3B shape's MTP rounds on a GPU) drafting is off. The tokens never depend
         on the choice: a verification round accepts exactly what decoding would have drawn,
         stateful samplers included.
         """

@@ -137,8 +137,8 @@ def _advance(
             deltas.append(delta)
         return jnp.concatenate(outs, axis=1), jnp.stack(deltas, axis=1)
     if chunked:
-        # DEFAULT precision (TF32 on GPUs): 2.094 -> 1.438 ms at T=2048 on an H200, errors far
-        # below bfloat16's; the CPU computes float32 dots in full precision regardless.
+        # DEFAULT precision (TF32 on GPUs): much faster there, errors far below bfloat16's
+        # (docs/lab/hybrid-h200.md); the CPU computes float32 dots in full precision regardless.
         return gated_delta_chunked(
             x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK, precision=lax.Precision.DEFAULT
         )

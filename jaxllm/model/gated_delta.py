@@ -215,10 +215,8 @@ def gated_delta_chunked(
         return s, out
 
     xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, intra, q_dec, k_dec, chunk_decay))  # chunks first
-    # Fully unrolled: it beat or tied the rolled loop everywhere measured (H200, H=32, Dk=Dv=128,
-    # HIGHEST: 0.584 vs 0.667 ms at T=512; 2k-token engine TTFT 114.2 vs 118.9 ms; CPU T=256
-    # 54.7 vs 63.7 ms), and a parallel prefix over the chunks' affine maps lost everywhere
-    # (0.746 ms at T=512, 108.1 ms on the CPU); see docs/lab/hybrid-h200.md.
+    # Fully unrolled: it beat or tied the rolled loop on the H200 and the CPU, and a parallel
+    # prefix over the chunks' affine maps lost on both (docs/lab/hybrid-h200.md).
     new_state, out = lax.scan(step, s0, xs, unroll=C)  # out [C, N, H, L, Dv]
     out = jnp.moveaxis(out, 0, 2)
     out = out.reshape(N, H, C * L, Dv)[:, :, :T]

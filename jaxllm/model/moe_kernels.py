@@ -86,8 +86,8 @@ def moe_layout(n_tokens: int) -> str:
 def default_block_m(n_pairs: int, n_experts: int) -> int:
     """Rows per grouped block: 16 (Triton's dot minimum) while an expert gets few rows (decode),
     more where experts get many (prefill), so the padding stays a small share. From 64 rows an
-    expert on average, blocks of 64 (with `WIDE_BLOCK_TILES`): at 2,048 tokens on an H200 the
-    35B-A3B shape's layer took 853 us against 906 us in blocks of 32 (docs/lab/hybrid-h200.md)."""
+    expert on average, blocks of 64 with `WIDE_BLOCK_TILES` (faster than 32 on the H200 at 2k
+    tokens; 128 was slower: docs/lab/hybrid-h200.md)."""
     per_expert = n_pairs / n_experts
     return 16 if per_expert <= 16 else (32 if per_expert < 64 else 64)
 
@@ -276,9 +276,8 @@ DEFAULTS: dict[str, dict[str, int]] = {
     "grouped": dict(gu_block_k=64, gu_block_n=128, dn_block_k=64, dn_block_n=64, num_warps=4, num_stages=3),
 }
 # Grouped blocks of 64 rows (prompt rounds, `default_block_m`) have twice the work per program:
-# 8 warps and 128-wide down tiles. At 2,048 tokens on an H200 (`moe_check.py --sweep-set
-# prefill`) 853 / 856 us a layer against 891 / 912 us with the grouped defaults (35B-A3B /
-# 30B-A3B shapes); blocks of 128 rows were slower (1,639 / 1,603 us; 1,040 / 909 with 8 warps).
+# 8 warps and 128-wide down tiles, the best of `moe_check.py --sweep-set prefill` on both
+# 30B-A3B and 35B-A3B shapes (docs/lab/hybrid-h200.md).
 WIDE_BLOCK_M = 64
 WIDE_BLOCK_TILES: dict[str, int] = dict(dn_block_n=128, num_warps=8)
 
