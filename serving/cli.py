@@ -11,13 +11,6 @@ from pathlib import Path
 
 from jaxllm import cli as runtime_cli
 
-# How long a thread may hold the GIL while another waits for it (CPython's default is 5 ms).
-# The worker thread's Python between rounds (collecting tokens, building the next round) held
-# the event loop off for up to that long after it had flushed a request's frames, so a first
-# token reached the client 5-10 ms after the worker had it (docs/lab/prompt-rounds-and-layout.md);
-# the device runs while the worker waits in JAX's dispatch, which releases the GIL anyway.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", formatter_class=runtime_cli.HELP_FORMAT)
@@ -128,7 +121,6 @@ def serve(
         profile_dir=profile_dir,
     )
     print(f"jaxllm serving {model_name} at http://{host}:{port}/v1 (health: http://{host}:{port}/health)", flush=True)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process is the server's alone
     app.run(host=host, port=port, single_process=True, access_log=False, motd=False, protocol=CappedHttpProtocol)
     return status["code"]
 
