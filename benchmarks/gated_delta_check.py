@@ -1,4 +1,4 @@
-"""The Gated DeltaNet decode kernel on the GPU against its jnp oracle at real shapes, then timed.
+"""The Gated DeltaNet Pallas kernels on the GPU against their jnp oracles at real shapes, then timed.
 
 `gated_delta_decode` (one token per window) on a pool of every layer's slot states
 [layers, slots, H, Dk, Dv], against `gated_delta_recurrent` with T = 1 over the gathered
@@ -6,10 +6,13 @@ states plus a scatter back (the jnp path, timed the same way, pool donated). One
 width: max abs and relative L2 error of out and state, median ms of each path (20 runs after
 warm-up), the bytes of state read and written and the achieved GB/s.
 
-A Pallas kernel for the chunked prefill was measured here too and retired: 8-12x slower than
-XLA's jnp WY form at T = 64..2048 (docs/lab/hybrid-h200.md).
+Then the chunked prefill (`check_prefill`): XLA's WY form by matmul precision, and the same
+form with its chunk-to-chunk state pass as one Pallas kernel (`chunk_state_pass`), end to end
+and alone over a sweep of its launch parameters, each with its errors against the form at
+HIGHEST precision.
 
     python benchmarks/gated_delta_check.py                  # GPU, real shapes
+    python benchmarks/gated_delta_check.py --prefill-only   # GPU, the prefill rows only
     python benchmarks/gated_delta_check.py --interpret      # CPU smoke test, tiny shapes
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -26,11 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxllm.model.gated_delta import gated_delta_chunked, gated_delta_recurrent
+from jaxllm.model.gated_delta import ChunkTerms, chunk_terms, gated_delta_chunked, gated_delta_recurrent
+from jaxllm.model.gated_delta_chunk_kernel import chunk_state_pass
 from jaxllm.model.gated_delta_kernel import gated_delta_decode
 
-REAL = dict(H=32, Dk=128, Dv=128, layers=30, slots=64, widths=(1, 16, 64))
-TINY = dict(H=2, Dk=16, Dv=32, layers=2, slots=4, widths=(1, 2))
+# Qwen3.5-35B-A3B's DeltaNet layers; `tokens`: the prompt lengths of the prefill rows.
+REAL = dict(H=32, Dk=128, Dv=128, layers=30, slots=64, widths=(1, 16, 64), tokens=(512, 2048))
+TINY = dict(H=2, Dk=16, Dv=32, layers=2, slots=4, widths=(1, 2), tokens=(64, 100))
+CHUNK = 64  # the model's (delta_mixer._DELTA_CHUNK)
+# The state kernel's launch sweep; block sizes that do not divide Dv are skipped.
+SWEEP = dict(block_v=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2))
+Rule = tuple[jax.Array, jax.Array]  # (out, new state)
 
 
 def median_seconds(fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
@@ -110,28 +120,73 @@ def check_decode(shape: dict, dtype, runs: int, interpret: bool) -> None:
         )
 
 
-def check_prefill(runs: int, tokens: tuple[int, ...] = (512, 2048)) -> None:
-    """XLA's chunked WY form (`gated_delta_chunked`, its chunk loop unrolled) by matmul
-    precision (HIGHEST: float32 on the FMA units; HIGH: three bf16 passes on the tensor cores;
-    DEFAULT: TF32 / one bf16 pass, what the model's prompt chunks ask for); errors against
-    HIGHEST. The prefill of every DeltaNet layer runs this form."""
-    H, Dk, Dv = REAL["H"], REAL["Dk"], REAL["Dv"]
-    for T in tokens:
-        args = rule_inputs(jax.random.PRNGKey(T), 1, T, H, Dk, Dv, jnp.bfloat16)
-        ref = None
-        for name in ("HIGHEST", "HIGH", "DEFAULT"):
-            precision = getattr(lax.Precision, name)
-            fn = jax.jit(functools.partial(gated_delta_chunked, chunk=64, precision=precision))
-            out, state = fn(*args)
-            if ref is None:
-                ref = (out, state)
-            t = median_seconds(lambda: fn(*args), runs)
-            out_err, state_err = errors(out, ref[0]), errors(state, ref[1])
+def check_prefill(shape: dict, runs: int, interpret: bool) -> None:
+    """The chunked WY form (`gated_delta_chunked`) of one segment, float32 inputs as the model
+    passes them; errors of out and state against the form at HIGHEST precision.
+
+    Rows: XLA's form (its chunk loop unrolled) by matmul precision (HIGHEST: float32 on the
+    FMA units; HIGH: three bf16 passes on the tensor cores; DEFAULT: TF32 / one bf16 pass,
+    what the model's prompt chunks ask for); the Pallas state pass end to end at DEFAULT and
+    HIGHEST (whose errors, near float32's, tell a kernel bug from TF32 rounding); the state-free
+    part alone (`chunk_terms`, what the kernel leaves to XLA); the kernel alone on those terms
+    for each launch setting of `SWEEP` (the end-to-end rows use the kernel's defaults)."""
+    H, Dk, Dv = shape["H"], shape["Dk"], shape["Dv"]
+    kernel = "interpret" if interpret else "pallas"
+    for T in shape["tokens"]:
+        args = rule_inputs(jax.random.PRNGKey(T), 1, T, H, Dk, Dv, jnp.float32)
+        ref = gated_delta_chunked(*args, chunk=CHUNK, precision=lax.Precision.HIGHEST)
+
+        def row(label: str, fn: Callable[[], Rule]) -> None:
+            out, state = fn()
+            t = median_seconds(fn, runs)
+            out_err, state_err = errors(out[:, :T], ref[0]), errors(state, ref[1])
             print(
-                f"prefill jnp WY T={T:5d} precision={name:8s} {t * 1e3:.3f} ms  "
-                f"out rel {out_err[1]:.2e}  state rel {state_err[1]:.2e}",
+                f"prefill {label:36s} T={T:5d} {t * 1e3:.3f} ms  out rel {out_err[1]:.2e}  state rel {state_err[1]:.2e}",
                 flush=True,
             )
+
+        for name in ("HIGHEST", "HIGH", "DEFAULT"):
+            fn = jax.jit(functools.partial(gated_delta_chunked, chunk=CHUNK, precision=getattr(lax.Precision, name)))
+            row(f"jnp WY precision={name}", lambda fn=fn: fn(*args))
+        for name in ("DEFAULT", "HIGHEST"):
+            fn = jax.jit(
+                functools.partial(
+                    gated_delta_chunked, chunk=CHUNK, precision=getattr(lax.Precision, name), kernel=kernel
+                )
+            )
+            row(f"pallas WY precision={name}", lambda fn=fn: fn(*args))
+
+        terms_fn = jax.jit(functools.partial(chunk_terms, chunk=CHUNK, qk_l2norm=True, precision=lax.Precision.DEFAULT))
+        terms = terms_fn(*args[:5])
+        t = median_seconds(lambda: terms_fn(*args[:5]), runs)
+        print(f"prefill {'terms alone (XLA) precision=DEFAULT':36s} T={T:5d} {t * 1e3:.3f} ms", flush=True)
+        sweep_state_pass(terms, args[5], row, interpret)
+
+
+def sweep_state_pass(
+    terms: ChunkTerms, state: jax.Array, row: Callable[[str, Callable[[], Rule]], None], interpret: bool
+) -> None:
+    """The Pallas state pass alone (DEFAULT precision) at each launch setting of `SWEEP`; a
+    setting that fails to compile (e.g. out of shared memory) is reported and skipped."""
+    Dv = state.shape[-1]
+    for block_v, warps, stages in itertools.product(*SWEEP.values()):
+        if block_v > Dv or Dv % block_v:
+            continue
+        fn = jax.jit(
+            functools.partial(
+                chunk_state_pass,
+                precision=lax.Precision.DEFAULT,
+                interpret=interpret,
+                _block_v=block_v,
+                _num_warps=warps,
+                _num_stages=stages,
+            )
+        )
+        label = f"state pass alone bv={block_v} w={warps} s={stages}"
+        try:
+            row(label, lambda fn=fn: fn(terms.q, terms.k, terms.uw, terms.intra, terms.cum, state))
+        except Exception as e:  # a launch setting Triton cannot compile is a result too
+            print(f"prefill {label:36s} failed: {str(e).splitlines()[0][:160]}", flush=True)
 
 
 def main() -> None:
@@ -139,14 +194,13 @@ def main() -> None:
     ap.add_argument("--interpret", action="store_true", help="Pallas interpreter on the CPU, tiny shapes")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="q, k, v dtypes")
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--prefill-only", action="store_true", help="only the prefill form's precision timings")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill rows (check_prefill)")
     args = ap.parse_args()
     shape = TINY if args.interpret else REAL
     print("jax", jax.__version__, jax.devices(), flush=True)
     for dtype in [] if args.prefill_only else args.dtypes.split(","):
         check_decode(shape, jnp.dtype(dtype), args.runs, args.interpret)
-    if not args.interpret:
-        check_prefill(args.runs)
+    check_prefill(shape, args.runs, args.interpret)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "decode_attention": ("auto", "reference", "interpret"),
     "decode_matmul": ("auto", "xla"),
     "decode_norm": ("auto", "xla", "interpret"),
+    "decode_route": ("auto", "xla", "interpret"),
     "decode_delta": ("auto", "reference", "interpret"),
     "weight_layout": ("auto", "in_out", "out_in"),
     "sampler_branches": ("auto", "cond", "select"),
@@ -56,10 +57,17 @@ class RuntimeOptions:
     # (jaxllm.model.rms_norm_kernel) where it compiles (GPU), XLA's fusions elsewhere; "xla"
     # always XLA's; "interpret" the Pallas kernel in its interpreter (CPU tests of the wiring).
     decode_norm: str = "auto"
-    # The one-token gated delta rule of decode rounds (hybrid family): "auto" runs the Pallas
-    # kernel (jaxllm.model.gated_delta_kernel: each slot's state read once and written once,
-    # in place) where it compiles (GPU), the jnp recurrence elsewhere; "reference" forces the
-    # jnp path; "interpret" runs the Pallas kernel in its interpreter (CPU tests of the wiring).
+    # MoE routing (softmax, top-k, renormalisation, tokens per expert) of rounds of up to 16
+    # tokens: "auto" runs the one Pallas kernel (jaxllm.model.route_kernel) where it compiles
+    # (GPU), XLA's ops (a softmax, a sort, a scatter: launch-bound at batch 1) elsewhere;
+    # "xla" always XLA's; "interpret" the Pallas kernel in its interpreter (CPU tests of the wiring).
+    decode_route: str = "auto"
+    # The gated delta rule's Pallas kernels (hybrid family): the one-token step of decode rows
+    # (jaxllm.model.gated_delta_kernel: each slot's state read once and written once, in place)
+    # and the state pass of prompt chunks (jaxllm.model.gated_delta_chunk_kernel: one launch
+    # carries the state through every chunk of 64 tokens). "auto" runs them where they compile
+    # (GPU), the jnp recurrence and XLA's chunk scan elsewhere; "reference" forces the jnp
+    # paths; "interpret" runs the Pallas kernels in their interpreter (CPU tests of the wiring).
     decode_delta: str = "auto"
     # The sampler's cheap optional parts (random draws, grammar mask): "cond" runs each only
     # when some row needs it (`lax.cond`); "select" always runs them and selects the results.

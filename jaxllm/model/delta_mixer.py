@@ -121,8 +121,11 @@ def _advance(
     *,
     chunked: bool,
     snapshots: bool = False,
+    kernel: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Runs the delta rule over the segments' tokens from their matrices `delta0`.
+    """Runs the delta rule over the segments' tokens from their matrices `delta0`; `kernel`
+    ("pallas" / "interpret") carries chunked segments' state from chunk to chunk in one
+    Pallas kernel instead of XLA's scan (`gated_delta_chunked`).
 
     Returns: (core output [R, Tw, Hv, Dv], new delta matrices); with `snapshots` the matrices
     after each token instead ([R, Tw, ...]: index j holds the state after j + 1 tokens), for
@@ -140,7 +143,7 @@ def _advance(
         # DEFAULT precision (TF32 on GPUs): much faster there, errors far below bfloat16's
         # (docs/lab/hybrid-h200.md); the CPU computes float32 dots in full precision regardless.
         return gated_delta_chunked(
-            x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK, precision=lax.Precision.DEFAULT
+            x.q, x.k, x.v, x.decay, x.beta, delta0, chunk=_DELTA_CHUNK, precision=lax.Precision.DEFAULT, kernel=kernel
         )
     return gated_delta_recurrent(x.q, x.k, x.v, x.decay, x.beta, delta0)
 
@@ -169,6 +172,7 @@ def delta_mixer(
     snapshots: bool = False,
     pool: jax.Array | None = None,
     kernel: str | None = None,
+    chunk_kernel: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """One DeltaNet layer over the round.
 
@@ -181,6 +185,8 @@ def delta_mixer(
         Dk, Dv] as the layer scan carries them: decode rows are advanced in it in place by
         `gated_delta_decode` (their state is read once and written once), and chunk
         segments read their matrices from it. Without, both read `recurrent.delta`.
+      chunk_kernel: "pallas" / "interpret" to carry prompt segments' state through their
+        chunks in one Pallas kernel (`gated_delta_chunk_kernel`), None for XLA's scan.
 
     Returns:
       ([T, D] output, new conv windows [R, Kc-1, C], new delta matrices [R', Hv, Dk, Dv] or
@@ -221,7 +227,7 @@ def delta_mixer(
             )
             out = out[:, None]
         else:
-            out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots)
+            out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots, kernel=chunk_kernel)
             deltas.append(delta)
         rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
         core = core.at[rows].set(out, mode="drop")

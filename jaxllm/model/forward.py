@@ -17,7 +17,13 @@ from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_a
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference, place_decode_rows
 from jaxllm.config import ModelConfig
 from jaxllm.model import matvec_cpu
-from jaxllm.model.kernel_choice import add_rms_norm, decode_attention_kernel, matmul_kernel, norm_kernel
+from jaxllm.model.kernel_choice import (
+    add_rms_norm,
+    decode_attention_kernel,
+    matmul_kernel,
+    norm_kernel,
+    route_kernel_choice,
+)
 from jaxllm.model.layers import LayerSlice, apply_rope, dense_mlp, moe_mlp, project, rms_norm, rope_inv_freq
 from jaxllm.params import LayerParams, MoeParams, OutIn, Params
 from jaxllm.state import KVCache, to_kv_dtype
@@ -114,7 +120,8 @@ def _layer(
     x, h = add_rms_norm(x, project(attn, a.wo, 2, kernel=mm), lp.mlp_norm, cfg.rms_eps, kernel=norm)
     if isinstance(lp.mlp, MoeParams):
         valid = batch.slots < page_table.shape[0] - 1
-        out, expert_tokens = moe_mlp(h, lp.mlp, cfg, valid)
+        route = route_kernel_choice(opts, x.shape[0])
+        out, expert_tokens = moe_mlp(h, lp.mlp, cfg, valid, route_kernel=route)
     else:
         out, expert_tokens = dense_mlp(h, lp.mlp, kernel=mm), jnp.zeros((0,), jnp.int32)
     return x, out, (k, v), expert_tokens

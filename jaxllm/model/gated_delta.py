@@ -34,10 +34,13 @@ the CPU float32 dots are computed in full float32 either way).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxllm.model.gated_delta_chunk_kernel import chunk_state_pass
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -137,42 +140,31 @@ def gated_delta_recurrent(
     return jnp.moveaxis(out, 0, 1).astype(q.dtype), new_state
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision"))
-def gated_delta_chunked(
+class ChunkTerms(NamedTuple):
+    """What the chunked WY form computes for all chunks at once, before the sequential state
+    pass (see `gated_delta_chunked` for the math); float32, chunk-major per head."""
+
+    q: jax.Array  # [N, H, C, L, Dk] q prepared (`_prepare_qk`)
+    k: jax.Array  # [N, H, C, L, Dk] k prepared
+    uw: jax.Array  # [N, H, C, L, Dv + Dk] U = (I + A)^-1 beta v, then W = (I + A)^-1 beta e^c k
+    intra: jax.Array  # [N, H, C, L, L] (q_i . k_j) e^{c_i - c_j} for j <= i, 0 above
+    cum: jax.Array  # [N, H, C, L] c_i, the cumulative log decay within each chunk
+
+
+def chunk_terms(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     g: jax.Array,
     beta: jax.Array,
-    state: jax.Array,
     *,
-    chunk: int = 64,
-    qk_l2norm: bool = True,
-    precision: lax.Precision | None = _HIGHEST,
-) -> tuple[jax.Array, jax.Array]:
-    """The gated delta rule in chunks of L = `chunk` tokens (the WY / UT form): same
-    arguments and results as `gated_delta_recurrent`, with the sequential part cut from T
-    steps to T / L, so prefill is matrix products instead of a long chain of rank-one updates.
-
-    Within a chunk, with cumulative log decay c_i = g_0 + ... + g_i and the chunk's initial
-    state S0, unrolling the rule gives for the deltas
-
-        delta_i + beta_i sum_{j<i} e^{c_i - c_j} (k_i . k_j) delta_j
-            = beta_i v_i - beta_i e^{c_i} S0^T k_i,
-
-    a unit lower-triangular system (I + A) delta = B solved once per chunk for both right-
-    hand sides: delta = U - W S0 with U = (I + A)^-1 (beta v), W = (I + A)^-1 (beta e^c k).
-    Then
-
-        out_i = e^{c_i} S0^T q_i + sum_{j<=i} e^{c_i - c_j} (q_i . k_j) delta_j
-        S_end = e^{c_last} S0 + sum_j e^{c_last - c_j} k_j delta_j^T.
-
-    Everything but S0 is computed for all chunks at once; a fully unrolled `lax.scan` over
-    the chunks carries S from chunk to chunk. T is padded up to a multiple of L with g = 0,
-    beta = 0 (state-neutral). Memory: the per-chunk [L, L] matrices are N x H x T x L floats.
-    """
+    chunk: int,
+    qk_l2norm: bool,
+    precision: lax.Precision | None,
+) -> ChunkTerms:
+    """The state-free part of `gated_delta_chunked` (same q, k, v, g, beta), T padded up to a
+    multiple of `chunk` with g = 0, beta = 0 (state-neutral)."""
     N, T, H, Dk = k.shape
-    Dv = v.shape[-1]
     L = chunk
     pad = -T % L
     C = (T + pad) // L  # chunks
@@ -197,15 +189,22 @@ def gated_delta_chunked(
     # of this, so neither the diagonal nor the (zero) upper part needs masking.
     system = bc[..., :, None] * kk * decay_ij
     rhs = jnp.concatenate([bc[..., None] * vc, (bc * jnp.exp(cum))[..., None] * kc], axis=-1)  # [.., L, Dv+Dk]
-    solved = lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u, w = solved[..., :Dv], solved[..., Dv:]  # [N, H, C, L, Dv], [N, H, C, L, Dk]
-
+    uw = lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
     intra = dot("nhcid,nhcjd->nhcij", qc, kc) * decay_ij  # [N, H, C, L, L] (diagonal included)
-    q_dec = jnp.exp(cum)[..., None] * qc  # [N, H, C, L, Dk] reads S0
-    k_dec = jnp.exp(cum[..., -1:] - cum)[..., None] * kc  # [N, H, C, L, Dk] writes S_end
-    chunk_decay = jnp.exp(cum[..., -1])  # [N, H, C]
+    return ChunkTerms(q=qc, k=kc, uw=uw, intra=intra, cum=cum)
 
-    s0 = state.astype(jnp.float32)
+
+def _scan_state_pass(
+    terms: ChunkTerms, state: jax.Array, precision: lax.Precision | None
+) -> tuple[jax.Array, jax.Array]:
+    """The chunk-to-chunk pass as XLA ops: (out [N, C * L, H, Dv] float32, new state)."""
+    N, H, C, L, Dk = terms.k.shape
+    Dv = state.shape[-1]
+    u, w = terms.uw[..., :Dv], terms.uw[..., Dv:]  # [N, H, C, L, Dv], [N, H, C, L, Dk]
+    q_dec = jnp.exp(terms.cum)[..., None] * terms.q  # [N, H, C, L, Dk] reads S0
+    k_dec = jnp.exp(terms.cum[..., -1:] - terms.cum)[..., None] * terms.k  # [N, H, C, L, Dk] writes S_end
+    chunk_decay = jnp.exp(terms.cum[..., -1])  # [N, H, C]
+    dot = functools.partial(jnp.einsum, precision=precision)
 
     def step(s, xs):  # s [N, H, Dk, Dv]
         u_c, w_c, intra_c, q_c, k_c, d_c = xs
@@ -214,13 +213,68 @@ def gated_delta_chunked(
         s = d_c[:, :, None, None] * s + dot("nhlk,nhlv->nhkv", k_c, delta)
         return s, out
 
-    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, intra, q_dec, k_dec, chunk_decay))  # chunks first
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u, w, terms.intra, q_dec, k_dec, chunk_decay))  # chunks first
     # Fully unrolled: it beat or tied the rolled loop on the H200 and the CPU, and a parallel
     # prefix over the chunks' affine maps lost on both (docs/lab/hybrid-h200.md).
-    new_state, out = lax.scan(step, s0, xs, unroll=C)  # out [C, N, H, L, Dv]
-    out = jnp.moveaxis(out, 0, 2)
-    out = out.reshape(N, H, C * L, Dv)[:, :, :T]
-    return jnp.moveaxis(out, 1, 2).astype(q.dtype), new_state
+    new_state, out = lax.scan(step, state.astype(jnp.float32), xs, unroll=C)  # out [C, N, H, L, Dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(N, H, C * L, Dv)
+    return jnp.moveaxis(out, 1, 2), new_state
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision", "kernel"))
+def gated_delta_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    chunk: int = 64,
+    qk_l2norm: bool = True,
+    precision: lax.Precision | None = _HIGHEST,
+    kernel: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule in chunks of L = `chunk` tokens (the WY / UT form): same
+    arguments and results as `gated_delta_recurrent`, with the sequential part cut from T
+    steps to T / L, so prefill is matrix products instead of a long chain of rank-one updates.
+
+    Within a chunk, with cumulative log decay c_i = g_0 + ... + g_i and the chunk's initial
+    state S0, unrolling the rule gives for the deltas
+
+        delta_i + beta_i sum_{j<i} e^{c_i - c_j} (k_i . k_j) delta_j
+            = beta_i v_i - beta_i e^{c_i} S0^T k_i,
+
+    a unit lower-triangular system (I + A) delta = B solved once per chunk for both right-
+    hand sides: delta = U - W S0 with U = (I + A)^-1 (beta v), W = (I + A)^-1 (beta e^c k).
+    Then
+
+        out_i = e^{c_i} S0^T q_i + sum_{j<=i} e^{c_i - c_j} (q_i . k_j) delta_j
+        S_end = e^{c_last} S0 + sum_j e^{c_last - c_j} k_j delta_j^T.
+
+    Everything but S0 is computed for all chunks at once (`chunk_terms`); the state is carried
+    from chunk to chunk by a fully unrolled `lax.scan` (kernel None), or by one Pallas kernel
+    launch ("pallas", or "interpret" for its interpreter: `gated_delta_chunk_kernel`), which
+    on a GPU replaces the scan's ~4 launches per chunk. T is padded up to a multiple of L with
+    g = 0, beta = 0 (state-neutral). Memory: the per-chunk [L, L] matrices are N x H x T x L
+    floats.
+    """
+    T = k.shape[1]
+    terms = chunk_terms(q, k, v, g, beta, chunk=chunk, qk_l2norm=qk_l2norm, precision=precision)
+    if kernel is None:
+        out, new_state = _scan_state_pass(terms, state, precision)
+    else:
+        out, new_state = chunk_state_pass(
+            terms.q,
+            terms.k,
+            terms.uw,
+            terms.intra,
+            terms.cum,
+            state,
+            precision=precision,
+            interpret=kernel == "interpret",
+        )
+    return out[:, :T].astype(q.dtype), new_state
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

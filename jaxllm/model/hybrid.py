@@ -20,7 +20,7 @@ from jaxllm.config import LINEAR_ATTENTION, ModelConfig
 from jaxllm.model.delta_mixer import Segments, delta_mixer, round_segments
 from jaxllm.model.forward import DecodeLookups, TokenBatch, _after, write_kv
 from jaxllm.model.gated_attention import gated_attention
-from jaxllm.model.kernel_choice import add_rms_norm, decode_delta_kernel, norm_kernel
+from jaxllm.model.kernel_choice import add_rms_norm, decode_delta_kernel, norm_kernel, route_kernel_choice
 from jaxllm.model.layers import dense_mlp, moe_mlp, project
 from jaxllm.params import DenseMlpParams, HybridBlockParams, MoeParams, Params, moe_in_splits
 from jaxllm.state import KVCache, RecurrentState
@@ -28,20 +28,26 @@ from jaxllm.runtime_options import RuntimeOptions
 
 
 def block_mlp(
-    h: jax.Array, p: DenseMlpParams | MoeParams, cfg: ModelConfig, valid: jax.Array
+    h: jax.Array,
+    p: DenseMlpParams | MoeParams,
+    cfg: ModelConfig,
+    valid: jax.Array,
+    *,
+    route_kernel: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The block's MLP on normed input: ([T, D] output, [E] tokens per expert or [0])."""
+    """The block's MLP on normed input: ([T, D] output, [E] tokens per expert or [0]).
+    `route_kernel` routes the experts (see `moe_mlp`; `kernel_choice.route_kernel_choice`)."""
     if isinstance(p, DenseMlpParams):
         return dense_mlp(h, p), jnp.zeros((0,), jnp.int32)
     if p.shared is None:
-        return moe_mlp(h, p, cfg, valid)
+        return moe_mlp(h, p, cfg, valid, route_kernel=route_kernel)
     if p.w_in is None:
-        out, experts = moe_mlp(h, p, cfg, valid)
+        out, experts = moe_mlp(h, p, cfg, valid, route_kernel=route_kernel)
         shared = dense_mlp(h, p.shared)
         gate_logit = jnp.einsum("td,d->t", h, p.shared_gate)
     else:
         router, gate, up, gate_logit = _fused_products(h, p)
-        out, experts = moe_mlp(h, p, cfg, valid, router_logits=router)
+        out, experts = moe_mlp(h, p, cfg, valid, route_kernel=route_kernel, router_logits=router)
         shared = project(jax.nn.silu(gate) * up, p.shared.w_down)
     gate = jax.nn.sigmoid(gate_logit.astype(jnp.float32))
     out = out + (gate[:, None] * shared.astype(jnp.float32)).astype(out.dtype)
@@ -108,16 +114,19 @@ def hybrid_forward(
     if recurrent is not None and n_lin and W and not snapshots:
         delta_kernel = decode_delta_kernel(opts)
     pool = recurrent.delta if delta_kernel is not None else None
+    # Prompt segments' state pass takes the same choice, whether or not the round decodes.
+    chunk_kernel = decode_delta_kernel(opts)
 
     # The residual stream is x + pending: each block adds its predecessor's MLP output inside
     # its first norm, as `forward` does (one kernel per add + norm in decode rounds).
     norm = norm_kernel(opts, x.shape[0])
+    route = route_kernel_choice(opts, x.shape[0])
 
     def block(x, pending, lp: HybridBlockParams, mix):
         x, h = add_rms_norm(x, pending, lp.attn_norm, cfg.rms_eps, kernel=norm)
         out, *state = mix(h)
         x, h = add_rms_norm(x, out, lp.mlp_norm, cfg.rms_eps, kernel=norm)
-        out, experts = block_mlp(h, lp.mlp, cfg, valid)
+        out, experts = block_mlp(h, lp.mlp, cfg, valid, route_kernel=route)
         return x, out, state, experts
 
     def group(x, pending, pool, lin_block, full_block, g):
@@ -144,6 +153,7 @@ def hybrid_forward(
                         snapshots=snapshots,
                         pool=pool,
                         kernel=delta_kernel,
+                        chunk_kernel=chunk_kernel,
                     ),
                 )
                 new_conv.append(conv)

@@ -22,6 +22,7 @@ _DEBUG_FIELDS = (
     "decode_attention",
     "decode_matmul",
     "decode_norm",
+    "decode_route",
     "decode_delta",
     "sampler_branches",
     "weight_layout",
@@ -57,6 +58,24 @@ def norm_kernel(opts: RuntimeOptions, n_tokens: int) -> str | None:
     if n_tokens > NORM_KERNEL_MAX_ROWS or opts.decode_norm == "xla":
         return None
     if opts.decode_norm == "interpret":
+        return "interpret"
+    return "pallas" if kernels_available(opts.dtype) else None
+
+
+# Rounds of at most this many tokens route their MoE layers with the Pallas kernel where it
+# compiles (GPU): its one program walks the rows block by block, so it is for decode rounds,
+# where XLA's routing is a handful of launch-bound slivers. On an H100 (benchmarks/route_check.py)
+# it took 13.6-14.8 us against XLA's 25-28 at 1 token and 20-21 against 25.5-26 at 16, but
+# 34-38 against 25-27 at 64: wider rounds keep XLA's ops.
+ROUTE_KERNEL_MAX_ROWS = 16
+
+
+def route_kernel_choice(opts: RuntimeOptions, n_tokens: int) -> str | None:
+    """Which kernel routes a round's tokens to experts (see RuntimeOptions.decode_route):
+    "pallas", "interpret" (the Pallas kernel in its interpreter), or None for XLA's ops."""
+    if n_tokens > ROUTE_KERNEL_MAX_ROWS or opts.decode_route == "xla":
+        return None
+    if opts.decode_route == "interpret":
         return "interpret"
     return "pallas" if kernels_available(opts.dtype) else None
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxllm.config import ModelConfig
 from jaxllm.model.matvec_cpu import matmul_cpu
 from jaxllm.model.moe_kernels import moe_ffn, moe_kernel
+from jaxllm.model.route_kernel import route_and_count
 from jaxllm.params import DenseMlpParams, MoeParams, OutIn
 
 
@@ -116,6 +117,13 @@ def route(router_logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Ar
     return top_w, top_e
 
 
+def expert_counts(top_e: jax.Array, valid: jax.Array, n_experts: int) -> jax.Array:
+    """[E] int32 number of valid tokens routed to each expert, of [T, k] expert ids."""
+    k = top_e.shape[1]
+    counted = jnp.where(jnp.repeat(valid, k), 1, 0)
+    return jnp.zeros((n_experts,), jnp.int32).at[top_e.reshape(-1)].add(counted)
+
+
 def moe_mlp(
     x: jax.Array,
     p: MoeParams,
@@ -123,6 +131,7 @@ def moe_mlp(
     valid: jax.Array,
     *,
     kernel: str | None = "auto",
+    route_kernel: str | None = None,
     router_logits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k routed experts with a grouped matmul: compute scales with tokens per expert.
@@ -135,6 +144,9 @@ def moe_mlp(
       kernel: "pallas" / "interpret" run the experts through `jaxllm.model.moe_kernels` (which
         read only routed experts' weights), None through `jax.lax.ragged_dot` (on CUDA, XLA
         makes that a dense dot over every expert); "auto" picks (`moe_kernel`).
+      route_kernel: "pallas" / "interpret" route and count in one kernel
+        (`jaxllm.model.route_kernel`, for rounds of few tokens), None by XLA's ops (`route`,
+        `expert_counts`); chosen by `kernel_choice.route_kernel_choice`.
       router_logits: [T, E] float32 x . router, where the caller has them (from the hybrid
         family's fused input product, `MoeParams.w_in`).
 
@@ -145,9 +157,13 @@ def moe_mlp(
     E, k = cfg.n_experts, cfg.n_experts_per_token
     if router_logits is None:
         router_logits = project(x, p.router).astype(jnp.float32)
-    top_w, top_e = route(router_logits, cfg)  # [T, k]
-    counted = jnp.where(jnp.repeat(valid, k), 1, 0)
-    expert_tokens = jnp.zeros((E,), jnp.int32).at[top_e.reshape(-1)].add(counted)
+    if route_kernel is not None:
+        top_w, top_e, expert_tokens = route_and_count(
+            router_logits, valid, k=k, norm_topk_prob=cfg.norm_topk_prob, interpret=route_kernel == "interpret"
+        )
+    else:
+        top_w, top_e = route(router_logits, cfg)  # [T, k]
+        expert_tokens = expert_counts(top_e, valid, E)
     kernel = moe_kernel(x.dtype, D, p.w_gate.shape[-1]) if kernel == "auto" else kernel
     if kernel is not None:
         out = moe_ffn(x, top_e, top_w, p.w_gate, p.w_up, p.w_down, interpret=kernel == "interpret")
@@ -157,9 +173,14 @@ def moe_mlp(
     token_of = order // k
     x_sorted = x[token_of]  # [T*k, D], grouped by expert
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(x_sorted, p.w_gate, group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, p.w_up, group_sizes)
-    out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p.w_down, group_sizes)  # [T*k, D]
+    # Input-last experts (`OutIn`: params.EXPERTS_IN_LAST, GPU only) reach here only for shapes the
+    # kernels don't tile, or kernel=None: ragged_dot takes them back in [E, in, out].
+    w_gate, w_up, w_down = (
+        jnp.swapaxes(w.t, -1, -2) if isinstance(w, OutIn) else w for w in (p.w_gate, p.w_up, p.w_down)
+    )
+    gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
+    out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, D]
     weights = top_w.reshape(-1)[order].astype(out_sorted.dtype)
     out = jnp.zeros((T, D), out_sorted.dtype).at[token_of].add(out_sorted * weights[:, None])
     return out.astype(x.dtype), expert_tokens
