@@ -142,6 +142,8 @@ KERNEL_ENTRY_POINTS = {
     "jaxllm.attention.paged_decode": ["paged_decode_attention", "paged_decode_attention_qkv"],
     "jaxllm.model.moe_kernels": ["moe_ffn"],
     "jaxllm.model.gated_delta_kernel": ["gated_delta_decode"],
+    "jaxllm.model.gated_delta_chunk_kernel": ["chunk_state_pass"],
+    "jaxllm.model.route_kernel": ["route_and_count"],
     "jaxllm.model.rms_norm_kernel": ["add_rms_norm"],
 }
 
