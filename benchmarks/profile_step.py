@@ -140,6 +140,13 @@ def main() -> None:
         "full-width decode part)",
     )
     ap.add_argument("--slots", type=int, default=64, help="with --prefill: the server's slots")
+    ap.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        help="trace synchronous verification rounds of 1 + this many drafts instead (batch 1, drafting "
+        "forced as benchmarks/spec_gpu.py does; an MTP model drafts with its head inside the round)",
+    )
     args = ap.parse_args()
 
     cfg = load_config_json(args.config)
@@ -152,6 +159,9 @@ def main() -> None:
     params = runtime_layout(dummy_params(cfg, dtype=opts.dtype, unrolled=not opts.scan_layers), opts)
     if args.prefill:
         profile_prefill(cfg, opts, params, args)
+        return
+    if args.verify:
+        profile_verify(cfg, opts, params, args)
         return
     eng = engine_for(cfg, opts, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
     prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
@@ -169,6 +179,30 @@ def main() -> None:
     trace = sorted(glob.glob(args.out + "/raw/**/*.trace.json.gz", recursive=True))[-1]
     shutil.copy(trace, args.out + "/trace.json.gz")
     summarize(trace, n_steps, args.top)
+
+
+def profile_verify(cfg, opts: RuntimeOptions, params, args: argparse.Namespace) -> None:
+    """Traces `--calls` synchronous verification rounds (launch, then collect) of one sequence
+    at CTX positions with `--verify` drafts: where a round's time goes, and how much of its
+    span the device idles (the host's share)."""
+    from spec_gpu import ForcedDraft, spec_engine
+
+    eng = spec_engine(cfg, opts, params, slots=1, drafts=args.verify, steps=1, forced=not cfg.mtp_layers)
+    (seq,) = prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
+    seq.drafting = ForcedDraft(most=args.verify)
+    for _ in range(4):  # compiles the verification round
+        eng.step()
+    shutil.rmtree(args.out + "/raw", ignore_errors=True)
+    jax.profiler.start_trace(args.out + "/raw", create_perfetto_trace=True)
+    t = time.perf_counter()
+    for _ in range(args.calls):
+        eng.step()
+    wall = time.perf_counter() - t
+    jax.profiler.stop_trace()
+    print(f"{args.config} {args.dtype}: verification round of 1 + {args.verify}: {wall / args.calls * 1e3:.2f} ms traced")
+    trace = sorted(glob.glob(args.out + "/raw/**/*.trace.json.gz", recursive=True))[-1]
+    shutil.copy(trace, args.out + "/trace.json.gz")
+    summarize(trace, args.calls, args.top)
 
 
 def profile_prefill(cfg, opts: RuntimeOptions, params, args: argparse.Namespace) -> None:
