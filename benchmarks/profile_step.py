@@ -199,7 +199,9 @@ def profile_verify(cfg, opts: RuntimeOptions, params, args: argparse.Namespace) 
         eng.step()
     wall = time.perf_counter() - t
     jax.profiler.stop_trace()
-    print(f"{args.config} {args.dtype}: verification round of 1 + {args.verify}: {wall / args.calls * 1e3:.2f} ms traced")
+    print(
+        f"{args.config} {args.dtype}: verification round of 1 + {args.verify}: {wall / args.calls * 1e3:.2f} ms traced"
+    )
     trace = sorted(glob.glob(args.out + "/raw/**/*.trace.json.gz", recursive=True))[-1]
     shutil.copy(trace, args.out + "/trace.json.gz")
     summarize(trace, args.calls, args.top)
@@ -219,6 +221,7 @@ def profile_prefill(cfg, opts: RuntimeOptions, params, args: argparse.Namespace)
         context=context,
         kv_mib=0,
         backend="gpu",
+        recurrent=bool(cfg.n_linear_layers),
         kv_bytes_per_position=kv_bytes_per_page(cfg, 16, opts) // 16,
     )
     eng = Engine(cfg, params, eos_ids=[], config=config, options=opts)

@@ -74,8 +74,9 @@ class Server:
             )
             self.costs = dataclasses.asdict(model_costs(self.model.cfg, self.model.params, self.model.options))
             e = self.settings.current.engine
-            self.engine = self.model.engine(e.engine_config(kv_bytes_per_page(self.model.cfg, 1, self.model.options)))
             cfg, opts = self.model.cfg, self.model.options
+            per_position = kv_bytes_per_page(cfg, 1, opts)
+            self.engine = self.model.engine(e.engine_config(per_position, recurrent=bool(cfg.n_linear_layers)))
             engine = self.engine
 
             def warm() -> None:

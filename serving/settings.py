@@ -144,13 +144,16 @@ class EngineShape:
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
-    def engine_config(self, kv_bytes_per_position: int | None = None, backend: str | None = None) -> EngineConfig:
+    def engine_config(
+        self, kv_bytes_per_position: int | None = None, backend: str | None = None, *, recurrent: bool = False
+    ) -> EngineConfig:
         """The runtime's EngineConfig for these settings.
 
         Args:
           kv_bytes_per_position: the model's K/V bytes per position (`kv_bytes_per_page(cfg,
             1, opts)`); sizes the cache when `kv_mib` is 0 (None: one byte, for checks only).
           backend: the backend to derive for when `backend` is "auto" (None: JAX's default).
+          recurrent: the model has linear-attention layers (see `derive_engine`).
         """
         resolved = self.backend if self.backend != "auto" else backend or _default_backend()
         return derive_engine(
@@ -159,6 +162,7 @@ class EngineShape:
             kv_mib=self.kv_mib,
             backend=resolved,
             kv_bytes_per_position=kv_bytes_per_position or 1,
+            recurrent=recurrent,
             extra_samplers=self.extra_samplers,
             batch_invariant=self.batch_invariant,
             **self.overrides(),
@@ -172,7 +176,14 @@ def _default_backend() -> str:
 
 
 def derive_engine(
-    *, slots: int, context: int, kv_mib: int, backend: str, kv_bytes_per_position: int = 1, **overrides: Any
+    *,
+    slots: int,
+    context: int,
+    kv_mib: int,
+    backend: str,
+    kv_bytes_per_position: int = 1,
+    recurrent: bool = False,
+    **overrides: Any,
 ) -> EngineConfig:
     """Every EngineConfig shape from slots, context, the K/V budget and the backend.
 
@@ -181,13 +192,16 @@ def derive_engine(
     reference attention's cost); past 4 slots a one-row decode part for a lone request. GPU: a
     small model is launch-bound, so more decode steps per call; the paged decode kernel reads
     only live pages, so one context bucket (fewer compiled variants, nothing lost); with many
-    slots, doubling chunk buckets with prompts packed four to a chunk, chunk rounds compiled at
-    the full decode width only, and a narrower decode part for low occupancy.
+    slots, doubling chunk buckets with prompts packed four to a chunk (dense models), chunk
+    rounds compiled at the full decode width only, and a narrower decode part for low occupancy.
 
     Args:
       slots, context, kv_mib, backend ("cpu" or "gpu"): the user settings; kv_mib 0 sizes the
         cache for every slot at full context (plus a page each and the trash page).
       kv_bytes_per_position: the model's, for kv_mib 0.
+      recurrent: the model has linear-attention layers (hybrid family): one prompt a chunk on
+        every backend, since each packed segment runs the delta rule over the chunk's whole
+        width (four segments made a 2k prompt round 2.1x slower on an H100: docs/lab/hybrid-h200.md).
       overrides: EngineConfig fields set by hand (win over the derived ones).
     """
     page = overrides.get("page_size", 16)
@@ -195,7 +209,7 @@ def derive_engine(
         many = slots >= 32
         top = min(4096, max(512, 64 * slots))
         shapes: dict[str, Any] = dict(
-            chunk_segments=4 if many else 1,
+            chunk_segments=4 if many and not recurrent else 1,
             # Doubling buckets: a lone 1k prompt pads to 1024 rows, not 2048 (its first token
             # waited on a 2k prompt's FLOPs: docs/lab/2026-12.md, 8B TTFT).
             chunk_buckets=tuple(top >> k for k in (3, 2, 1, 0)) if many else (32, 128, min(top, max(context, 128))),

@@ -35,6 +35,17 @@ def test_gpu_shapes_scale_with_slots():
     assert big.min_ctx_pages == 136
 
 
+def test_models_with_recurrent_layers_take_one_prompt_a_chunk():
+    """Packing prompts side by side multiplies a hybrid model's delta-rule work by the segment
+    count (each segment spans the chunk's width), so its GPU shapes pack none; dense ones still do."""
+    hybrid = derive_engine(slots=64, context=2176, kv_mib=24000, backend="gpu", recurrent=True)
+    dense = derive_engine(slots=64, context=2176, kv_mib=24000, backend="gpu")
+    assert (hybrid.chunk_segments, dense.chunk_segments) == (1, 4)
+    assert hybrid.chunk_buckets == dense.chunk_buckets and hybrid.chunk_decode_width == 64
+    gpu = parse_settings({"engine": {"backend": "gpu", "max_slots": 64, "max_seq_len": 2176, "kv_mib": 24000}}).engine
+    assert gpu.engine_config(recurrent=True).chunk_segments == 1 and gpu.engine_config().chunk_segments == 4
+
+
 def test_budget_zero_holds_every_slot_at_full_context():
     cfg = load_config_json(ROOT / "configs" / "smollm2-135m.json")
     opts = RuntimeOptions()
