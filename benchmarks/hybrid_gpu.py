@@ -27,7 +27,7 @@ from jaxllm.config import load_config_json
 from jaxllm.loading import runtime_layout
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.model.kernel_choice import debug_overrides
-from jaxllm.params import out_in_weights
+
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
 
@@ -42,11 +42,6 @@ def main() -> None:
     ap.add_argument("--c-slots", default="16,64")
     ap.add_argument("--c-context", type=int, default=1536)
     ap.add_argument("--layers", type=int, default=0, help="keep this many layers (0: the config's; a smaller card)")
-    ap.add_argument(
-        "--experts-in-last",
-        action="store_true",
-        help="store the routed experts input-last too (params.EXPERTS_IN_LAST's candidate layout)",
-    )
     ap.add_argument("--out", default=None, help="write the results as JSON here too")
     args = ap.parse_args()
     cases = args.cases.split(",")
@@ -56,14 +51,11 @@ def main() -> None:
     opts = RuntimeOptions(dtype="bfloat16", scan_layers=args.scan).replace(**debug_overrides())
     t = time.perf_counter()
     params = runtime_layout(dummy_params(cfg, dtype=opts.dtype, unrolled=not opts.scan_layers), opts)
-    if args.experts_in_last:
-        params = out_in_weights(params, consume=True, experts_in_last=True)
     jax.block_until_ready(params)
     results: dict[str, object] = {
         "config": args.config,
         "device": str(jax.devices()[0]),
         "scan_layers": args.scan,
-        "experts_in_last": args.experts_in_last,
         "load_s": time.perf_counter() - t,
     }
     print(f"{args.config}: {cfg.param_count() / 1e9:.1f}B params ready in {results['load_s']:.1f}s", flush=True)

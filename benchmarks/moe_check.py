@@ -8,18 +8,11 @@ that no layer's experts sit in L2 from the last call, dispatched back to back; t
 the median per layer. "floor" is the bytes of the experts actually routed to (plus the
 router) over 4.3 TB/s, the copy bandwidth measured on the H200.
 
-    python benchmarks/moe_check.py [--shapes ...] [--tokens 1,16,64] [--variants ...] [--sweep ...]
+    python benchmarks/moe_check.py [--shapes ...] [--tokens 1,16,64] [--variants ...] [--sweep]
 
 Variants: xla (moe_mlp's ragged_dot path), ours (moe_mlp's kernel dispatch), pairs and
 grouped16/32/64 (the kernels with a forced layout / block_m), tokamax-triton and
-tokamax-mosaic (tokamax.ragged_dot in place of jax.lax.ragged_dot, where installed). A
-"-inlast" suffix (ours-inlast, pairs-inlast, grouped16-inlast, ...) runs the same with the
-experts stored input axis last (`params.OutIn`, [E, out, in]; the kernels'
-`IN_LAST_DEFAULTS` tiles), the layout `params.EXPERTS_IN_LAST` would give the GPU; the
-summary ends with each such variant's time over its canonical twin's.
-
---sweep times launch configs at 'variant:tokens[:set]' points, set one of decode (`SWEEP`),
-prefill (`PREFILL_SWEEP`) or inlast (`INLAST_SWEEP`), default --sweep-set.
+tokamax-mosaic (tokamax.ragged_dot in place of jax.lax.ragged_dot, where installed).
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.model.layers import moe_mlp
 from jaxllm.model.moe_kernels import moe_ffn
-from jaxllm.params import MoeParams, OutIn
+from jaxllm.params import MoeParams
 
 SHAPES = {
     "tiny": dict(E=8, k=2, D=64, F=32),  # a CPU smoke test of this script (interpreted kernels)
@@ -79,22 +72,6 @@ def make_layers(s: dict, n: int, seed: int = 0) -> list[MoeParams]:
         )
 
     return [one(k) for k in jax.random.split(jax.random.PRNGKey(seed), n)]
-
-
-INLAST = "-inlast"
-
-
-def in_last_layers(layers: list[MoeParams]) -> list[MoeParams]:
-    """The same layers with the experts stored input axis last (`OutIn`, [E, out, in]); the
-    router stays as it is, so every variant routes alike."""
-
-    @jax.jit
-    def one(p: MoeParams) -> MoeParams:
-        return p.replace(
-            **{n: OutIn(t=jnp.swapaxes(getattr(p, n), 1, 2), n_in=1, n_out=1) for n in ("w_gate", "w_up", "w_down")}
-        )
-
-    return [one(p) for p in layers]
 
 
 def routing(x: jax.Array, p: MoeParams, k: int) -> tuple[jax.Array, jax.Array]:
@@ -142,12 +119,8 @@ def tokamax_experts(impl: str):
 
 
 def layer_fn(variant: str, s: dict, config: tuple = ()):
-    """x -> MoE(x) for one layer's params, by `variant` (a "-inlast" variant takes the layers of
-    `in_last_layers`; the code is the same, the experts' type picks the kernels)."""
+    """x -> MoE(x) for one layer's params, by `variant`."""
     cfg = _cfg(s)
-    if variant.startswith("tokamax-") and variant.endswith(INLAST):
-        raise ValueError("tokamax.ragged_dot takes experts in the checkpoint's layout only")
-    variant = variant.removesuffix(INLAST)
     if variant in ("xla", "ours"):
         kernel = None if variant == "xla" else ("interpret" if INTERPRET else "pallas")
         return lambda x, p: moe_mlp(x, p, cfg, jnp.ones(x.shape[:1], bool), kernel=kernel)[0]
@@ -197,7 +170,7 @@ def floor_seconds(x, layers, s) -> float:
     return total / len(layers) / COPY_BPS
 
 
-SWEEP = [  # one knob at a time from the layout's defaults (moe_kernels.DEFAULTS, or IN_LAST_DEFAULTS)
+SWEEP = [  # one knob at a time from the layout's defaults (moe_kernels.DEFAULTS)
     (),
     (("gu_block_n", 32),),
     (("gu_block_n", 64),),
@@ -228,45 +201,20 @@ PREFILL_SWEEP = [
 ]
 
 
-# Input-last experts (moe_kernels.IN_LAST_DEFAULTS), one knob at a time: the K step is each output's
-# contiguous run (64 to 256 bf16), the column width the programs' count. The canonical defaults'
-# tiles are among them (pairs: down 64 deep; grouped: gate|up 64 deep and 128 wide, the last).
-INLAST_SWEEP = [
-    (),
-    (("gu_block_k", 64),),
-    (("gu_block_k", 256),),
-    (("gu_block_n", 16),),
-    (("gu_block_n", 32),),
-    (("gu_block_n", 128),),
-    (("dn_block_k", 64),),
-    (("dn_block_k", 256),),
-    (("dn_block_n", 128),),
-    (("num_stages", 3),),
-    (("num_stages", 5),),
-    (("gu_block_k", 64), ("gu_block_n", 128)),
-]
-SWEEP_SETS = {"decode": SWEEP, "prefill": PREFILL_SWEEP, "inlast": INLAST_SWEEP}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3-30b-a3b,qwen3.5-35b-a3b")
     ap.add_argument("--tokens", default="1,2,4,8,16,64,256,1024")
-    ap.add_argument(
-        "--variants",
-        default="xla,ours,pairs,grouped16,grouped32,grouped64,tokamax-triton,tokamax-mosaic,"
-        "ours-inlast,pairs-inlast,grouped16-inlast,grouped32-inlast,grouped64-inlast",
-    )
+    ap.add_argument("--variants", default="xla,ours,pairs,grouped16,grouped32,grouped64,tokamax-triton,tokamax-mosaic")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--parity-tokens", default="1,16,64,1024")
     ap.add_argument(
-        "--sweep",
-        default="",
-        help="sweep the configs at these 'variant:tokens[:set]' (e.g. pairs:1,grouped64-inlast:2048:prefill)",
+        "--sweep", default="", help="sweep the configs at these 'variant:tokens' (e.g. pairs:1,grouped16:64)"
     )
-    ap.add_argument("--sweep-set", choices=tuple(SWEEP_SETS), default="decode", help="a sweep point's default set")
+    ap.add_argument("--sweep-set", choices=("decode", "prefill"), default="decode", help="SWEEP or PREFILL_SWEEP")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    sweep_configs = SWEEP if args.sweep_set == "decode" else PREFILL_SWEEP
     results: list[dict] = []
 
     def record(**row):
@@ -276,9 +224,6 @@ def main() -> None:
     for shape_name in args.shapes.split(","):
         s = SHAPES[shape_name]
         layers = make_layers(s, args.layers)
-        wanted = args.variants.split(",") + [v.split(":")[0] for v in args.sweep.split(",") if v]
-        # Each variant's layers, by whether it ends in INLAST: the same weights in either layout.
-        layer_sets = {False: layers, True: in_last_layers(layers) if any(v.endswith(INLAST) for v in wanted) else None}
         key = jax.random.PRNGKey(1)
         for T in [int(t) for t in args.parity_tokens.split(",") if t]:
             x = jax.random.normal(jax.random.fold_in(key, T), (T, s["D"]), jnp.float32).astype(jnp.bfloat16)
@@ -286,11 +231,11 @@ def main() -> None:
             top_w, top_e = jax.jit(routing, static_argnums=2)(x, p, s["k"])
             ref = jax.jit(dense_reference)(x, p, top_e, top_w)
             for variant in args.variants.split(","):
-                if variant.removesuffix(INLAST) == "xla" and T > 64:
+                if variant == "xla" and T > 64:
                     continue
                 try:
                     fn = layer_fn(variant, s)
-                    got = jax.jit(fn)(x, layer_sets[variant.endswith(INLAST)][0]).astype(jnp.float32)
+                    got = jax.jit(fn)(x, p).astype(jnp.float32)
                     err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
                     record(kind="parity", shape=shape_name, T=T, variant=variant, rel_err=err)
                 except Exception as e:  # a candidate that fails to compile is a result too
@@ -300,13 +245,12 @@ def main() -> None:
             x = jax.random.normal(jax.random.fold_in(key, 7 + T), (T, s["D"]), jnp.float32).astype(jnp.bfloat16)
             floor = floor_seconds(x, layers, s)
             for variant in args.variants.split(","):
-                base = variant.removesuffix(INLAST)
-                if base == "xla" and T not in (1, 16, 64):
+                if variant == "xla" and T not in (1, 16, 64):
                     continue
-                if base == "pairs" and T > 16:
+                if variant == "pairs" and T > 16:
                     continue
                 try:
-                    sec = chain_seconds(layer_fn(variant, s), x, layer_sets[variant.endswith(INLAST)])
+                    sec = chain_seconds(layer_fn(variant, s), x, layers)
                     record(
                         kind="time",
                         shape=shape_name,
@@ -319,13 +263,13 @@ def main() -> None:
                 except Exception as e:
                     record(kind="time", shape=shape_name, T=T, variant=variant, error=repr(e)[:300])
         for spec in [v for v in args.sweep.split(",") if v]:
-            variant, T, *rest = spec.split(":")
+            variant, T = spec.split(":")
             T = int(T)
             x = jax.random.normal(jax.random.fold_in(key, 7 + T), (T, s["D"]), jnp.float32).astype(jnp.bfloat16)
             floor = floor_seconds(x, layers, s)
-            for config in SWEEP_SETS[rest[0] if rest else args.sweep_set]:
+            for config in sweep_configs:
                 try:
-                    sec = chain_seconds(layer_fn(variant, s, config), x, layer_sets[variant.endswith(INLAST)])
+                    sec = chain_seconds(layer_fn(variant, s, config), x, layers)
                     record(
                         kind="sweep",
                         shape=shape_name,
@@ -339,27 +283,12 @@ def main() -> None:
                     record(
                         kind="sweep", shape=shape_name, T=T, variant=variant, config=dict(config), error=repr(e)[:300]
                     )
-        del layers, layer_sets
+        del layers
 
     print("\nshape            T  variant          us/layer  of floor (routed experts at 4.3 TB/s)")
-    times = {(r["shape"], r["T"], r["variant"]): r["us"] for r in results if r["kind"] == "time" and "us" in r}
     for r in results:
         if r["kind"] == "time" and "us" in r:
             print(f"{r['shape']:16s} {r['T']:4d} {r['variant']:16s} {r['us']:9.1f}  {r['of_floor']:.0%}")
-    print("\ninput-last experts: time over the canonical layout's (< 1: input-last faster)")
-    for (shape, T, variant), us in times.items():
-        twin = (shape, T, variant.removesuffix(INLAST))
-        if variant.endswith(INLAST) and twin in times:
-            print(f"{shape:16s} {T:4d} {variant:16s} {us / times[twin]:.3f}")
-    best: dict[tuple, dict] = {}
-    for r in results:
-        point = (r["shape"], r["T"], r["variant"])
-        if r["kind"] == "sweep" and "us" in r and (point not in best or r["us"] < best[point]["us"]):
-            best[point] = r
-    if best:
-        print("\nsweeps: the fastest config at each point")
-    for (shape, T, variant), r in best.items():
-        print(f"{shape:16s} {T:4d} {variant:16s} {r['us']:9.1f}  {r['of_floor']:.0%}  {r['config']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

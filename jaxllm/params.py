@@ -10,8 +10,7 @@ that read the same input (q/k/v; gate/up; in hybrid blocks the mixer's input pro
 and the router with the shared expert's) into one matrix: a decode step is a chain of
 matrix-vector products, and fewer, larger ones stream the weights closer to memory speed.
 On a GPU it also stores the dense projections input-axes-last (`OutIn`: XLA's one-row
-products run up to 3x faster so), and the routed experts too where `EXPERTS_IN_LAST` says so.
-`canonical_params` undoes all three.
+products run up to 3x faster so). `canonical_params` undoes all three.
 """
 
 from __future__ import annotations
@@ -441,31 +440,18 @@ def unfuse_projections(params: Params) -> Params:
     return _map_layers(unfuse, _unfuse_block, params)
 
 
-# Whether the GPU's layout (`layout_params(out_in=True)`) stores the routed experts input-last
-# too: the decision `benchmarks/moe_check.py` (the `-inlast` variants against the canonical
-# ones) is to settle; both layouts run the same kernels' code.
-EXPERTS_IN_LAST = False
-
-
 def layout_params(
-    params: Params,
-    scan_layers: bool,
-    *,
-    fuse: bool = True,
-    out_in: bool = False,
-    experts_in_last: bool = EXPERTS_IN_LAST,
-    consume: bool = False,
+    params: Params, scan_layers: bool, *, fuse: bool = True, out_in: bool = False, consume: bool = False
 ) -> Params:
     """The runtime tree: layers stacked for `lax.scan` or unrolled, projections fused, and
-    with `out_in` stored input-axes-last (`OutIn`; see RuntimeOptions.weight_layout), the
-    routed experts too if also `experts_in_last`.
+    with `out_in` stored input-axes-last (`OutIn`; see RuntimeOptions.weight_layout).
 
     Fusing is faster on both CPU and GPU (docs/lab/2026-12.md). `fuse=False` keeps one matrix
     per projection (for A/B runs). `consume`: see `unstack_layers`.
     """
     params = stack_layers(params) if scan_layers else unstack_layers(params, consume=consume)
     params = fuse_projections(params) if fuse else params
-    return out_in_weights(params, consume=consume, experts_in_last=experts_in_last) if out_in else params
+    return out_in_weights(params, consume=consume) if out_in else params
 
 
 def canonical_params(params: Params) -> Params:
@@ -474,7 +460,7 @@ def canonical_params(params: Params) -> Params:
 
 
 # Per params class: its dense projection fields and their (input, output) axis counts, lead
-# axes aside. Routed experts are in `_EXPERTS`.
+# axes aside. Routed experts are not here (their kernels read them as stored).
 _HEADS = (1, 2)  # [D] -> [heads, Dh]
 _PROJECTIONS: dict[type, dict[str, tuple[int, int]]] = {
     AttentionParams: {"wq": _HEADS, "wk": _HEADS, "wv": _HEADS, "wqkv": _HEADS, "wo": (2, 1)},
@@ -483,10 +469,6 @@ _PROJECTIONS: dict[type, dict[str, tuple[int, int]]] = {
     DenseMlpParams: {"w_gate_up": (1, 1), "w_gate": (1, 1), "w_up": (1, 1), "w_down": (1, 1)},
     MoeParams: {"router": (1, 1), "w_in": (1, 1)},
 }
-# The routed experts ([lead..., E, in, out]), read by `moe_kernels`' Pallas kernels (either
-# layout) or, on the CPU, by `jax.lax.ragged_dot` (canonical; the CPU never stores them
-# input-last). Their own decision, not the dense projections' size rule (measured on XLA's dot).
-_EXPERTS: dict[type, dict[str, tuple[int, int]]] = {MoeParams: {"w_gate": (1, 1), "w_up": (1, 1), "w_down": (1, 1)}}
 
 
 def _to_out_in(w: jax.Array, n_in: int, n_out: int) -> OutIn:
@@ -501,16 +483,13 @@ def _to_in_out(w: OutIn) -> jax.Array:
     return jnp.transpose(w.t, perm)
 
 
-def _map_projections(
-    node: Any, fn: Callable[[Any, int, int], Any], table: dict[type, dict[str, tuple[int, int]]] = _PROJECTIONS
-) -> Any:
-    """`node` with fn(weight, n_in, n_out) applied to every matrix `table` names in it (by
-    default the dense projections)."""
+def _map_projections(node: Any, fn: Callable[[Any, int, int], Any]) -> Any:
+    """`node` with fn(weight, n_in, n_out) applied to every dense projection in it."""
     if isinstance(node, tuple):
-        return tuple(_map_projections(n, fn, table) for n in node)
+        return tuple(_map_projections(n, fn) for n in node)
     if not dataclasses.is_dataclass(node) or isinstance(node, OutIn):
         return node
-    fields = table.get(type(node), {})
+    fields = _PROJECTIONS.get(type(node), {})
     changes = {}
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
@@ -519,7 +498,7 @@ def _map_projections(
         if f.name in fields:
             changes[f.name] = fn(value, *fields[f.name])
         elif dataclasses.is_dataclass(value) or isinstance(value, tuple):
-            changes[f.name] = _map_projections(value, fn, table)
+            changes[f.name] = _map_projections(value, fn)
     return node.replace(**changes) if changes else node
 
 
@@ -530,19 +509,15 @@ def _map_projections(
 OUT_IN_MAX_ELEMENTS = 1 << 24
 
 
-def out_in_weights(params: Params, *, consume: bool = False, experts_in_last: bool = EXPERTS_IN_LAST) -> Params:
+def out_in_weights(params: Params, *, consume: bool = False) -> Params:
     """Every dense projection under `OUT_IN_MAX_ELEMENTS` as `OutIn` (a no-op on those already
-    so), and with `experts_in_last` every routed expert stack whatever its size (`OutIn` with
-    the E axis leading: [lead..., E, out, in]). `consume` deletes each canonical matrix once
-    transposed (the peak is the model plus one matrix: one stacked expert tensor for scanned
-    layers)."""
+    so). `consume` deletes each canonical matrix once transposed (the peak is the model plus
+    one matrix)."""
 
     done: dict[tuple[int, int, int], OutIn] = {}  # a matrix reused in the tree converts once
 
-    def convert(w: Any, n_in: int, n_out: int, *, any_size: bool = False) -> Any:
-        if isinstance(w, OutIn):
-            return w
-        if not any_size and math.prod(w.shape[w.ndim - n_in - n_out :]) >= OUT_IN_MAX_ELEMENTS:
+    def convert(w: Any, n_in: int, n_out: int) -> Any:
+        if isinstance(w, OutIn) or math.prod(w.shape[w.ndim - n_in - n_out :]) >= OUT_IN_MAX_ELEMENTS:
             return w
         key = (id(w), n_in, n_out)
         if key not in done:
@@ -552,16 +527,9 @@ def out_in_weights(params: Params, *, consume: bool = False, experts_in_last: bo
                 w.delete()
         return done[key]
 
-    params = _map_projections(params, convert)
-    if experts_in_last:
-        params = _map_projections(params, lambda w, n_in, n_out: convert(w, n_in, n_out, any_size=True), _EXPERTS)
-    return params
+    return _map_projections(params, convert)
 
 
 def in_out_weights(params: Params) -> Params:
-    """The inverse of `out_in_weights` (routed experts included)."""
-
-    def back(w: Any, n_in: int, n_out: int) -> Any:
-        return _to_in_out(w) if isinstance(w, OutIn) else w
-
-    return _map_projections(_map_projections(params, back), back, _EXPERTS)
+    """The inverse of `out_in_weights`."""
+    return _map_projections(params, lambda w, n_in, n_out: _to_in_out(w) if isinstance(w, OutIn) else w)

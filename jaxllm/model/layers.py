@@ -173,14 +173,9 @@ def moe_mlp(
     token_of = order // k
     x_sorted = x[token_of]  # [T*k, D], grouped by expert
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    # Input-last experts (`OutIn`: params.EXPERTS_IN_LAST, GPU only) reach here only for shapes the
-    # kernels don't tile, or kernel=None: ragged_dot takes them back in [E, in, out].
-    w_gate, w_up, w_down = (
-        jnp.swapaxes(w.t, -1, -2) if isinstance(w, OutIn) else w for w in (p.w_gate, p.w_up, p.w_down)
-    )
-    gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
-    out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, D]
+    gate = jax.lax.ragged_dot(x_sorted, p.w_gate, group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, p.w_up, group_sizes)
+    out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p.w_down, group_sizes)  # [T*k, D]
     weights = top_w.reshape(-1)[order].astype(out_sorted.dtype)
     out = jnp.zeros((T, D), out_sorted.dtype).at[token_of].add(out_sorted * weights[:, None])
     return out.astype(x.dtype), expert_tokens

@@ -24,15 +24,6 @@ in one loop, SwiGLU in the epilogue, so neither product is written out); kernel 
 that by w_down[e] and by each row's routing weight. The k weighted rows of a token are summed
 in float32 by XLA afterwards.
 
-Expert weights come in either of two layouts (the kernels are compiled for the one given):
-the checkpoint's [E, in, out] (w_gate, w_up [E, D, F], w_down [E, F, D]), or input axis last,
-`params.OutIn` ([E, out, in]: w_gate, w_up [E, F, D], w_down [E, D, F]). At one row a weight
-tile of the first is block_k scattered runs of block_n elements (64 bytes for 32 bf16
-columns); in the second each output column's block_k weights are one contiguous run, the
-layout that made XLA's one-row products up to 3x faster (docs/lab/prompt-rounds-and-layout.md,
-section 2). The second tile is [block_n, block_k] and the product x @ tile.T ("NT", a dot
-Triton takes as it is).
-
 The Pallas interpreter runs the same kernels on the CPU (tests); `moe_ffn_reference` is the
 plain-jnp oracle they are checked against.
 """
@@ -49,7 +40,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxllm.pallas_triton import MIN_DOT, compiler_params, kernels_available, plgpu, whole_block
-from jaxllm.params import OutIn
 
 
 def moe_ffn_reference(
@@ -175,21 +165,6 @@ def _row_tile(b, rows_per_block: int, row_div: int, bm: int, n_rows: int):
     return row0, live
 
 
-def _weight_tile(w_ref, e, ins: pl.Slice, outs: pl.Slice, in_last: bool) -> jax.Array:
-    """Expert e's weights for input rows `ins` and output columns `outs`: a [block_k, block_n]
-    tile of an [E, in, out] stack, or a [block_n, block_k] one of an input-last [E, out, in]."""
-    return w_ref[e, outs, ins] if in_last else w_ref[e, ins, outs]
-
-
-def _tile_dot(a: jax.Array, w: jax.Array, in_last: bool, precision) -> jax.Array:
-    """[bm, block_k] rows times a `_weight_tile`: a @ w, or a @ w.T for an input-last tile, in
-    float32. A dot even for one live row (padded to `MIN_DOT` rows), not a multiply and row
-    sum: Triton software-pipelines (num_stages) only loop loads that feed a dot, unless the loop
-    carries a num_stages attribute, which Pallas' loops don't."""
-    dims = (((1,), (1 if in_last else 0,)), ((), ()))
-    return lax.dot_general(a, w, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
 def _gate_up_kernel(
     be_ref,
     used_ref,
@@ -204,7 +179,6 @@ def _gate_up_kernel(
     rows_per_block: int,
     row_div: int,
     bm: int,
-    in_last: bool,
     precision,
 ):
     b, n = pl.program_id(0), pl.program_id(1)
@@ -223,10 +197,15 @@ def _gate_up_kernel(
                 xt = plgpu.load(x_ref.at[pl.ds(row0, bm), cols], mask=live[:, None], other=0)
             else:
                 xt = x_ref[pl.ds(row0, bm), cols]
-            outs = pl.ds(n0, block_n)
-            wg = _weight_tile(wg_ref, e, cols, outs, in_last)
-            wu = _weight_tile(wu_ref, e, cols, outs, in_last)
-            return accs[0] + _tile_dot(xt, wg, in_last, precision), accs[1] + _tile_dot(xt, wu, in_last, precision)
+            wg = wg_ref[e, cols, pl.ds(n0, block_n)]
+            wu = wu_ref[e, cols, pl.ds(n0, block_n)]
+            dot = functools.partial(
+                lax.dot_general,
+                dimension_numbers=(((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            return accs[0] + dot(xt, wg), accs[1] + dot(xt, wu)
 
         zero = jnp.zeros((bm, block_n), jnp.float32)
         g, u = lax.fori_loop(0, D // block_k, body, (zero, zero))
@@ -251,7 +230,6 @@ def _down_kernel(
     block_n: int,
     rows_per_block: int,
     bm: int,
-    in_last: bool,
     precision,
 ):
     b, n = pl.program_id(0), pl.program_id(1)
@@ -271,7 +249,10 @@ def _down_kernel(
                 ht = plgpu.load(h_ref.at[pl.ds(row0, bm), cols], mask=live[:, None], other=0)
             else:
                 ht = h_ref[pl.ds(row0, bm), cols]
-            return acc + _tile_dot(ht, _weight_tile(wd_ref, e, cols, pl.ds(n0, block_n), in_last), in_last, precision)
+            wd = wd_ref[e, cols, pl.ds(n0, block_n)]
+            return acc + lax.dot_general(
+                ht, wd, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
 
         acc = lax.fori_loop(0, F // block_k, body, jnp.zeros((bm, block_n), jnp.float32))
         if masked:
@@ -299,35 +280,6 @@ DEFAULTS: dict[str, dict[str, int]] = {
 # 30B-A3B and 35B-A3B shapes (docs/lab/hybrid-h200.md).
 WIDE_BLOCK_M = 64
 WIDE_BLOCK_TILES: dict[str, int] = dict(dn_block_n=128, num_warps=8)
-# The defaults for input-last experts (`OutIn`), not yet measured: the K step is the length of
-# each output's contiguous run (128 bf16 = 256 bytes, against the 64-byte rows of a 32-wide
-# canonical tile); the pairs layout's column tiles stay 32 wide so it keeps its 8 x F/32
-# programs. vLLM's fused-MoE Triton kernel, whose experts are stored so, runs 1 to 64 tokens of
-# Qwen3-30B-A3B's shape on the H200 with 16-row blocks and 64-256 wide, 64-256 deep tiles (its
-# tuned table). `benchmarks/moe_check.py --sweep-set inlast` sweeps them. Prompt rounds'
-# `WIDE_BLOCK_TILES` apply on top, as for the canonical layout.
-IN_LAST_DEFAULTS: dict[str, dict[str, int]] = {
-    "pairs": dict(gu_block_k=128, gu_block_n=32, dn_block_k=128, dn_block_n=64, num_warps=4, num_stages=4),
-    "grouped": dict(gu_block_k=128, gu_block_n=64, dn_block_k=128, dn_block_n=64, num_warps=4, num_stages=3),
-}
-
-
-def _kernel_weights(
-    w_gate: jax.Array | OutIn, w_up: jax.Array | OutIn, w_down: jax.Array | OutIn
-) -> tuple[jax.Array, jax.Array, jax.Array, bool]:
-    """The three expert stacks as the kernels index them ([E, in, out], or [E, out, in] for
-    `OutIn` experts), and whether they are input-last."""
-    ws = (w_gate, w_up, w_down)
-    in_last = [isinstance(w, OutIn) for w in ws]
-    if not any(in_last):
-        return w_gate, w_up, w_down, False
-    if not all(in_last):
-        raise ValueError("w_gate, w_up and w_down must all be OutIn (input axis last) or all arrays")
-    if any(w.n_in != 1 or w.n_out != 1 or w.t.ndim != 3 for w in ws):
-        raise ValueError(
-            f"OutIn experts must be one layer's [E, out, in], got {[(w.t.shape, w.n_in, w.n_out) for w in ws]}"
-        )
-    return w_gate.t, w_up.t, w_down.t, True
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "_layout", "_block_m", "_config"))
@@ -335,9 +287,9 @@ def moe_ffn(
     x: jax.Array,
     top_e: jax.Array,
     top_w: jax.Array,
-    w_gate: jax.Array | OutIn,
-    w_up: jax.Array | OutIn,
-    w_down: jax.Array | OutIn,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
     *,
     interpret: bool = False,
     _layout: str | None = None,
@@ -350,8 +302,7 @@ def moe_ffn(
       x: [T, D] activations.
       top_e: [T, k] int32 experts of each token.
       top_w: [T, k] routing weights (already normalised as the model wants).
-      w_gate, w_up: [E, D, F]; w_down: [E, F, D], x's dtype; or all three `OutIn` (input axis
-        last: `.t` [E, F, D] and [E, D, F]), read by kernels compiled for that layout.
+      w_gate, w_up: [E, D, F]; w_down: [E, F, D], x's dtype.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
 
     The underscored knobs are for tests and `benchmarks/moe_check.py`'s sweeps, not part of
@@ -364,16 +315,15 @@ def moe_ffn(
     Returns:
       [T, D] in x's dtype; each token's k rows summed in float32.
     """
-    w_gate, w_up, w_down, in_last = _kernel_weights(w_gate, w_up, w_down)
     T, D = x.shape
-    E, F = w_gate.shape[0], w_gate.shape[1 if in_last else 2]
+    E, _, F = w_gate.shape
     k = top_e.shape[1]
     if not shapes_supported(D, F):
         raise ValueError(f"D={D} and F={F} must be multiples of {MIN_DOT}")
     layout = _layout or moe_layout(T)
     if layout not in DEFAULTS:
         raise ValueError(f"layout must be pairs or grouped, got {layout!r}")
-    cfg = dict((IN_LAST_DEFAULTS if in_last else DEFAULTS)[layout])
+    cfg = dict(DEFAULTS[layout])
     if set(dict(_config)) - set(cfg):
         raise ValueError(f"unknown launch settings {sorted(set(dict(_config)) - set(cfg))}")
     bm = MIN_DOT if layout == "pairs" else (_block_m or default_block_m(T * k, E))
@@ -401,7 +351,7 @@ def moe_ffn(
     precision = lax.Precision.HIGHEST if w_gate.dtype == jnp.float32 else None
     params = compiler_params(interpret=interpret, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     x_in = x_in.astype(w_gate.dtype)
-    common = dict(rows_per_block=blocks.rows_per_block, bm=bm, in_last=in_last, precision=precision)
+    common = dict(rows_per_block=blocks.rows_per_block, bm=bm, precision=precision)
 
     h_shape = jax.ShapeDtypeStruct((n_rows, F), w_gate.dtype)
     args = (blocks.block_expert, blocks.used, x_in, w_gate, w_up)

@@ -1,10 +1,9 @@
 """The MoE grouped-matmul kernels (Pallas interpreter, on the CPU) against the plain-jnp
 MoE: `moe_ffn_reference` (float32, full-precision products) and `layers.moe_mlp`'s
-`ragged_dot` path, with the experts in the checkpoint's layout and input axis last (`OutIn`)."""
+`ragged_dot` path."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from jaxllm.model.moe_kernels import (
     moe_ffn_reference,
     moe_layout,
 )
-from jaxllm.params import MoeParams, OutIn, out_in_weights
+from jaxllm.params import MoeParams
 
 # Small tiles, so the tiny shapes still take several K steps and column tiles.
 SMALL = (("gu_block_k", 32), ("gu_block_n", 16), ("dn_block_k", 16), ("dn_block_n", 32))
@@ -30,11 +29,6 @@ def _weights(rng, E: int, D: int, F: int, dtype=jnp.float32):
         return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), dtype)
 
     return w(E, D, F), w(E, D, F), w(E, F, D)
-
-
-def _in_last(*ws: jax.Array) -> tuple[OutIn, ...]:
-    """[E, in, out] stacks as the input-last layout's `OutIn` ([E, out, in])."""
-    return tuple(OutIn(t=jnp.swapaxes(w, 1, 2), n_in=1, n_out=1) for w in ws)
 
 
 def _routing(rng, T: int, E: int, k: int, skew: bool):
@@ -48,32 +42,25 @@ def _routing(rng, T: int, E: int, k: int, skew: bool):
     return jnp.asarray(top_e, jnp.int32), jnp.asarray(top_w / top_w.sum(1, keepdims=True))
 
 
-# (T, E, k, layout, block_m, skew, in_last): in_last passes the experts as `OutIn` (input axis
-# last), for the cases most likely to catch a misplaced tile (the pairs blocks of one row, an
-# expert over several grouped blocks, unused experts), not every case twice.
+# (T, E, k, layout, block_m, skew)
 CASES = [
-    (1, 8, 2, "pairs", None, False, False),
-    (1, 8, 2, "pairs", None, False, True),
-    (3, 8, 2, "pairs", None, False, False),  # three tokens, some expert likely shared
-    (3, 8, 2, "pairs", None, False, True),
-    (1, 8, 2, "grouped", 16, False, False),
-    (9, 8, 2, "grouped", 16, False, False),
-    (40, 4, 2, "grouped", 16, True, False),  # ~27 rows per expert: two or three blocks each
-    (40, 4, 2, "grouped", 16, True, True),
-    (20, 16, 4, "grouped", 32, False, False),  # more experts than pairs per expert: many unused
-    (20, 16, 4, "grouped", 32, False, True),
+    (1, 8, 2, "pairs", None, False),
+    (3, 8, 2, "pairs", None, False),  # three tokens, some expert likely shared
+    (1, 8, 2, "grouped", 16, False),
+    (9, 8, 2, "grouped", 16, False),
+    (40, 4, 2, "grouped", 16, True),  # ~27 rows per expert: two or three blocks each
+    (20, 16, 4, "grouped", 32, False),  # more experts than pairs per expert: many unused
 ]
 
 
-@pytest.mark.parametrize("T,E,k,layout,block_m,skew,in_last", CASES)
-def test_kernels_match_reference(T, E, k, layout, block_m, skew, in_last):
+@pytest.mark.parametrize("T,E,k,layout,block_m,skew", CASES)
+def test_kernels_match_reference(T, E, k, layout, block_m, skew):
     rng = np.random.default_rng(T * 100 + E * 10 + k)
     D, F = 64, 32
     wg, wu, wd = _weights(rng, E, D, F)
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     top_e, top_w = _routing(rng, T, E, k, skew)
-    experts = _in_last(wg, wu, wd) if in_last else (wg, wu, wd)
-    ours = moe_ffn(x, top_e, top_w, *experts, _layout=layout, _block_m=block_m, interpret=True, _config=SMALL)
+    ours = moe_ffn(x, top_e, top_w, wg, wu, wd, _layout=layout, _block_m=block_m, interpret=True, _config=SMALL)
     ref = moe_ffn_reference(x, top_e, top_w, wg, wu, wd)
     assert ours.shape == (T, D) and ours.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-5, atol=2e-5)
@@ -113,20 +100,10 @@ def test_layout_per_round_width():
     assert moe_layout(1) == "pairs" and moe_layout(2) == "pairs" and moe_layout(8) == "grouped"
 
 
-def test_experts_share_one_layout():
-    rng = np.random.default_rng(0)
-    wg, wu, wd = _weights(rng, 4, 64, 32)
-    top_e, top_w = _routing(rng, 1, 4, 2, False)
-    with pytest.raises(ValueError, match="all be OutIn"):
-        moe_ffn(jnp.ones((1, 64)), top_e, top_w, *_in_last(wg), wu, wd, interpret=True)
-
-
-@pytest.mark.parametrize("dtype,T,in_last", [("float32", 1, False), ("float32", 7, True), ("bfloat16", 5, False)])
-def test_moe_mlp_kernel_matches_ragged_dot_path(dtype, T, in_last):
+@pytest.mark.parametrize("dtype,T", [("float32", 1), ("float32", 7), ("bfloat16", 5)])
+def test_moe_mlp_kernel_matches_ragged_dot_path(dtype, T):
     """The dispatch in `moe_mlp`: routing, normalisation and the expert counts unchanged, the
-    output equal to the ragged_dot path's within the dtype's rounding. `in_last`: the params as
-    the GPU's layout holds them with `experts_in_last` (router and experts `OutIn`), through
-    both paths (ragged_dot takes the experts back to [E, in, out])."""
+    output equal to the ragged_dot path's within the dtype's rounding."""
     cfg = ModelConfig(
         family="qwen3_moe",
         vocab_size=32,
@@ -149,11 +126,6 @@ def test_moe_mlp_kernel_matches_ragged_dot_path(dtype, T, in_last):
     x = jnp.asarray(rng.standard_normal((T, 64)), jdt)
     valid = jnp.arange(T) < T - 1
     ref, ref_counts = moe_mlp(x, p, cfg, valid, kernel=None)
-    if in_last:
-        p = out_in_weights(p, experts_in_last=True)
-        assert isinstance(p.w_gate, OutIn) and isinstance(p.router, OutIn) and p.w_down.shape == wd.shape
-        ragged, _ = moe_mlp(x, p, cfg, valid, kernel=None)
-        np.testing.assert_allclose(np.asarray(ragged), np.asarray(ref), rtol=1e-5, atol=1e-5)
     ours, counts = moe_mlp(x, p, cfg, valid, kernel="interpret")
     np.testing.assert_array_equal(counts, ref_counts)
     assert int(counts.sum()) == 2 * (T - 1)
