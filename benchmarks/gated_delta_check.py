@@ -189,15 +189,61 @@ def sweep_state_pass(
             print(f"prefill {label:36s} failed: {str(e).splitlines()[0][:160]}", flush=True)
 
 
+def inverse_products(system: jax.Array, rhs: jax.Array, precision: lax.Precision) -> jax.Array:
+    """(I + A)^-1 rhs with A the strict lower triangle of `system` [..., L, L] (L a power of
+    two), as batched products instead of a triangular solve: N = -A is nilpotent, so
+    (I - N)^-1 = I + N + ... + N^(L-1) = (I + N)(I + N^2)(I + N^4)...(I + N^(L/2))."""
+    L = system.shape[-1]
+    mm = functools.partial(jnp.matmul, precision=precision)
+    n = -jnp.tril(system, -1)
+    inv, power = jnp.eye(L, dtype=system.dtype) + n, n
+    for _ in range(L.bit_length() - 2):  # N^2 ... N^(L/2)
+        power = mm(power, power)
+        inv = inv + mm(inv, power)
+    return mm(inv, rhs)
+
+
+def check_solve(shape: dict, runs: int) -> None:
+    """The WY form's per-chunk unit-triangular solve alone (cuBLAS trsm, float32), against
+    `inverse_products` by precision; errors against the solve."""
+    H, Dk, Dv = shape["H"], shape["Dk"], shape["Dv"]
+    for T in shape["tokens"]:
+        q, k, v, g, beta, _ = rule_inputs(jax.random.PRNGKey(T), 1, T, H, Dk, Dv, jnp.float32)
+        terms = jax.jit(functools.partial(chunk_terms, chunk=CHUNK, qk_l2norm=True, precision=lax.Precision.HIGHEST))
+        t = terms(q, k, v, g, beta)
+        C = t.k.shape[2]
+        # A system and right-hand side of the model's scale: keys' Gram matrix, decays, betas.
+        kk = jnp.einsum("nhcid,nhcjd->nhcij", t.k, t.k, precision=lax.Precision.HIGHEST)
+        b = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(1), (1, H, C, CHUNK)))
+        system = b[..., None] * kk * jnp.tril(jnp.exp(t.cum[..., :, None] - t.cum[..., None, :]))
+        rhs = jnp.concatenate([t.uw, t.k], axis=-1)
+        solve = jax.jit(functools.partial(lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True))
+        ref = solve(system, rhs)
+        ms = median_seconds(lambda: solve(system, rhs), runs) * 1e3
+        print(f"solve {'triangular_solve':28s} T={T:5d} {ms:.3f} ms", flush=True)
+        for name in ("HIGHEST", "HIGH", "DEFAULT"):
+            fn = jax.jit(functools.partial(inverse_products, precision=getattr(lax.Precision, name)))
+            got = fn(system, rhs)
+            ms = median_seconds(lambda fn=fn: fn(system, rhs), runs) * 1e3
+            print(
+                f"solve {'inverse products ' + name:28s} T={T:5d} {ms:.3f} ms  rel {errors(got, ref)[1]:.2e}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interpret", action="store_true", help="Pallas interpreter on the CPU, tiny shapes")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="q, k, v dtypes")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill rows (check_prefill)")
+    ap.add_argument("--solve-only", action="store_true", help="only the WY solve rows (check_solve)")
     args = ap.parse_args()
     shape = TINY if args.interpret else REAL
     print("jax", jax.__version__, jax.devices(), flush=True)
+    if args.solve_only:
+        check_solve(shape, args.runs)
+        return
     for dtype in [] if args.prefill_only else args.dtypes.split(","):
         check_decode(shape, jnp.dtype(dtype), args.runs, args.interpret)
     check_prefill(shape, args.runs, args.interpret)
