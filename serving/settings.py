@@ -201,7 +201,7 @@ def derive_engine(
       kv_bytes_per_position: the model's, for kv_mib 0.
       recurrent: the model has linear-attention layers (hybrid family): one prompt a chunk on
         every backend, since each packed segment runs the delta rule over the chunk's whole
-        width (four segments made a 2k prompt round 2.1x slower on an H100: docs/lab/hybrid-h200.md).
+        width (docs/lab/hybrid-h200.md).
       overrides: EngineConfig fields set by hand (win over the derived ones).
     """
     page = overrides.get("page_size", 16)

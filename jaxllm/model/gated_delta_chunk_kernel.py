@@ -37,11 +37,9 @@ from jax.experimental import pallas as pl
 
 from jaxllm.pallas_triton import MIN_DOT, compiler_params, whole_block
 
-# Launch defaults, measured on an H100 (`benchmarks/gated_delta_check.py --prefill-only`, 32
-# heads of 128, docs/lab/hybrid-h200.md): 32 columns (at batch 1 a 32-head layer then has 128
-# programs, about one per SM) at 4 warps beat 64 and 128 columns at T=512 and T=2048; two
-# stages beat one (0.294 vs 0.351 ms at T=2048, 0.135 vs 0.146 at T=512): the next chunk's
-# tiles load while this chunk's products run.
+# Launch defaults, chosen by `benchmarks/gated_delta_check.py --prefill-only`'s sweep (figures in
+# docs/lab/hybrid-h200.md): 32 columns give a 32-head layer 128 programs at batch 1, about one
+# per SM; two stages load the next chunk's tiles while this chunk's products run.
 DEFAULT_BLOCK_V = 32
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2

@@ -110,12 +110,11 @@ def hybrid_forward(
     n_full = len(pattern) - n_lin
     # Decode rows of DeltaNet layers advance in place in the state pool, which the layer scan
     # carries (a kernel that updates it needs it as a value, not as a constant of the body).
-    delta_kernel = None
-    if recurrent is not None and n_lin and W and not snapshots:
-        delta_kernel = decode_delta_kernel(opts)
-    pool = recurrent.delta if delta_kernel is not None else None
     # Prompt segments' state pass takes the same choice, whether or not the round decodes.
     chunk_kernel = decode_delta_kernel(opts)
+    decodes_in_pool = recurrent is not None and n_lin and W and not snapshots
+    delta_kernel = chunk_kernel if decodes_in_pool else None
+    pool = recurrent.delta if delta_kernel is not None else None
 
     # The residual stream is x + pending: each block adds its predecessor's MLP output inside
     # its first norm, as `forward` does (one kernel per add + norm in decode rounds).

@@ -55,29 +55,30 @@ NORM_KERNEL_MAX_ROWS = 64
 def norm_kernel(opts: RuntimeOptions, n_tokens: int) -> str | None:
     """Which kernel runs a round's add + RMSNorm (see RuntimeOptions.decode_norm): "pallas",
     "interpret" (the Pallas kernel in its interpreter), or None for XLA's fusions."""
-    if n_tokens > NORM_KERNEL_MAX_ROWS or opts.decode_norm == "xla":
+    return _small_round_kernel(opts.decode_norm, n_tokens, NORM_KERNEL_MAX_ROWS, opts)
+
+
+def _small_round_kernel(choice: str, n_tokens: int, max_rows: int, opts: RuntimeOptions) -> str | None:
+    """A decode-round kernel's choice ("auto" / "xla" / "interpret") for a round of
+    `n_tokens`: the Pallas kernel up to `max_rows` where it compiles, else XLA's ops (None)."""
+    if n_tokens > max_rows or choice == "xla":
         return None
-    if opts.decode_norm == "interpret":
+    if choice == "interpret":
         return "interpret"
     return "pallas" if kernels_available(opts.dtype) else None
 
 
 # Rounds of at most this many tokens route their MoE layers with the Pallas kernel where it
 # compiles (GPU): its one program walks the rows block by block, so it is for decode rounds,
-# where XLA's routing is a handful of launch-bound slivers. On an H100 (benchmarks/route_check.py)
-# it took 13.6-14.8 us against XLA's 25-28 at 1 token and 20-21 against 25.5-26 at 16, but
-# 34-38 against 25-27 at 64: wider rounds keep XLA's ops.
+# where XLA's routing is a handful of launch-bound slivers; it won at 1 and 16 tokens and lost
+# at 64 (benchmarks/route_check.py, docs/lab/hybrid-h200.md), so wider rounds keep XLA's ops.
 ROUTE_KERNEL_MAX_ROWS = 16
 
 
 def route_kernel_choice(opts: RuntimeOptions, n_tokens: int) -> str | None:
     """Which kernel routes a round's tokens to experts (see RuntimeOptions.decode_route):
     "pallas", "interpret" (the Pallas kernel in its interpreter), or None for XLA's ops."""
-    if n_tokens > ROUTE_KERNEL_MAX_ROWS or opts.decode_route == "xla":
-        return None
-    if opts.decode_route == "interpret":
-        return "interpret"
-    return "pallas" if kernels_available(opts.dtype) else None
+    return _small_round_kernel(opts.decode_route, n_tokens, ROUTE_KERNEL_MAX_ROWS, opts)
 
 
 def add_rms_norm(

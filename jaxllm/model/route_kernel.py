@@ -15,8 +15,9 @@ weight 0 but are read by the expert kernels and counted.
 One program loops over blocks of rows, so the per-expert counts of the whole round stay in
 registers and are stored once: three outputs, one launch. Rows and experts are padded to
 powers of two (Triton's block shapes) by masked loads; padded experts are never chosen.
-The interpreter runs the same kernel on the CPU for the tests. Launch parameters are untuned
-until measured (benchmarks/route_check.py).
+The interpreter runs the same kernel on the CPU for the tests. Launch parameters and the
+round width it serves (`kernel_choice.ROUTE_KERNEL_MAX_ROWS`) come from benchmarks/route_check.py
+(figures in docs/lab/hybrid-h200.md).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def route_and_count(
       norm_topk_prob: renormalise the k weights to sum to 1 (else the softmax probabilities).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
       _block_rows: rows per loop step, a power of two (default: T rounded up to one, at most 16).
-      _num_warps: Triton warps (default: about 16 logits of a row block a thread, 1 to 8).
+      _num_warps: Triton warps (default: about 8 logits of a row block a thread, 1 to 8).
 
     Returns:
       ([T, k] float32 weights, [T, k] int32 expert ids in descending order of probability,
@@ -128,9 +129,9 @@ def route_and_count(
         raise ValueError(f"route_and_count: k={k} experts per token of {E}")
     block_rows = _block_rows or min(pl.next_power_of_2(T), _BLOCK_ROWS)
     # One warp reduces a row of up to 512 logits with shuffles alone (no shared memory, no
-    # barrier); wider blocks spread over more warps, ~8 logits a thread: the passes keep a
-    # few values per logit live (at 32 a thread 16 rows of 256 spilled, ptxas sm_90a), and
-    # on an H100 16 rows of 128 experts took 17.1 us at 8 warps against 20.2 at 4.
+    # barrier); wider blocks spread over more warps, ~8 logits a thread up to 8 warps: the
+    # passes keep a few values per logit live (at 32 a thread 16 rows of 256 spilled, ptxas
+    # sm_90a), and 8 warps beat 4 at 16 rows of 128 (route_check.py).
     num_warps = _num_warps or min(8, max(1, block_rows * pl.next_power_of_2(E) // 256))
     operands = [router_logits.astype(jnp.float32), valid.astype(jnp.int32)]
     outs = [
