@@ -30,7 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxllm.model.gated_delta import ChunkTerms, chunk_terms, gated_delta_chunked, gated_delta_recurrent
+from jaxllm.model.gated_delta import (
+    ChunkTerms,
+    chunk_terms,
+    gated_delta_chunked,
+    gated_delta_recurrent,
+    unit_lower_solve,
+)
 from jaxllm.model.gated_delta_chunk_kernel import chunk_state_pass
 from jaxllm.model.gated_delta_kernel import gated_delta_decode
 
@@ -189,23 +195,9 @@ def sweep_state_pass(
             print(f"prefill {label:36s} failed: {str(e).splitlines()[0][:160]}", flush=True)
 
 
-def inverse_products(system: jax.Array, rhs: jax.Array, precision: lax.Precision) -> jax.Array:
-    """(I + A)^-1 rhs with A the strict lower triangle of `system` [..., L, L] (L a power of
-    two), as batched products instead of a triangular solve: N = -A is nilpotent, so
-    (I - N)^-1 = I + N + ... + N^(L-1) = (I + N)(I + N^2)(I + N^4)...(I + N^(L/2))."""
-    L = system.shape[-1]
-    mm = functools.partial(jnp.matmul, precision=precision)
-    n = -jnp.tril(system, -1)
-    inv, power = jnp.eye(L, dtype=system.dtype) + n, n
-    for _ in range(L.bit_length() - 2):  # N^2 ... N^(L/2)
-        power = mm(power, power)
-        inv = inv + mm(inv, power)
-    return mm(inv, rhs)
-
-
 def check_solve(shape: dict, runs: int) -> None:
-    """The WY form's per-chunk unit-triangular solve alone (cuBLAS trsm, float32), against
-    `inverse_products` by precision; errors against the solve."""
+    """The WY form's per-chunk unit-triangular solve alone, both forms of `unit_lower_solve`
+    (cuBLAS trsm, and the inverse as products, full float32); errors against the solve."""
     H, Dk, Dv = shape["H"], shape["Dk"], shape["Dv"]
     for T in shape["tokens"]:
         q, k, v, g, beta, _ = rule_inputs(jax.random.PRNGKey(T), 1, T, H, Dk, Dv, jnp.float32)
@@ -217,18 +209,14 @@ def check_solve(shape: dict, runs: int) -> None:
         b = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(1), (1, H, C, CHUNK)))
         system = b[..., None] * kk * jnp.tril(jnp.exp(t.cum[..., :, None] - t.cum[..., None, :]))
         rhs = jnp.concatenate([t.uw, t.k], axis=-1)
-        solve = jax.jit(functools.partial(lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True))
+        solve = jax.jit(functools.partial(unit_lower_solve, solve="triangular"))
         ref = solve(system, rhs)
         ms = median_seconds(lambda: solve(system, rhs), runs) * 1e3
         print(f"solve {'triangular_solve':28s} T={T:5d} {ms:.3f} ms", flush=True)
-        for name in ("HIGHEST", "HIGH", "DEFAULT"):
-            fn = jax.jit(functools.partial(inverse_products, precision=getattr(lax.Precision, name)))
-            got = fn(system, rhs)
-            ms = median_seconds(lambda fn=fn: fn(system, rhs), runs) * 1e3
-            print(
-                f"solve {'inverse products ' + name:28s} T={T:5d} {ms:.3f} ms  rel {errors(got, ref)[1]:.2e}",
-                flush=True,
-            )
+        fn = jax.jit(functools.partial(unit_lower_solve, solve="products"))
+        got = fn(system, rhs)
+        ms = median_seconds(lambda: fn(system, rhs), runs) * 1e3
+        print(f"solve {'inverse products':28s} T={T:5d} {ms:.3f} ms  rel {errors(got, ref)[1]:.2e}", flush=True)
 
 
 def main() -> None:

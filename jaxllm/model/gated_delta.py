@@ -161,9 +161,10 @@ def chunk_terms(
     chunk: int,
     qk_l2norm: bool,
     precision: lax.Precision | None,
+    solve: str = "auto",
 ) -> ChunkTerms:
     """The state-free part of `gated_delta_chunked` (same q, k, v, g, beta), T padded up to a
-    multiple of `chunk` with g = 0, beta = 0 (state-neutral)."""
+    multiple of `chunk` with g = 0, beta = 0 (state-neutral); `solve` as `unit_lower_solve`."""
     N, T, H, Dk = k.shape
     L = chunk
     pad = -T % L
@@ -189,9 +190,39 @@ def chunk_terms(
     # of this, so neither the diagonal nor the (zero) upper part needs masking.
     system = bc[..., :, None] * kk * decay_ij
     rhs = jnp.concatenate([bc[..., None] * vc, (bc * jnp.exp(cum))[..., None] * kc], axis=-1)  # [.., L, Dv+Dk]
-    uw = lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    uw = unit_lower_solve(system, rhs, solve=solve)
     intra = dot("nhcid,nhcjd->nhcij", qc, kc) * decay_ij  # [N, H, C, L, L] (diagonal included)
     return ChunkTerms(q=qc, k=kc, uw=uw, intra=intra, cum=cum)
+
+
+def unit_lower_solve(system: jax.Array, rhs: jax.Array, *, solve: str = "auto") -> jax.Array:
+    """(I + A)^-1 rhs for A the strict lower triangle of `system` [..., L, L] (the diagonal
+    and upper part are not read), in full float32.
+
+    solve: "triangular" (a batched triangular solve: cuBLAS trsm on a GPU), "products" (the
+    inverse as products: N = -A is nilpotent, so (I - N)^-1 = I + N + ... + N^(L-1) =
+    (I + N)(I + N^2)(I + N^4)...(I + N^(L/2)), 2 log2(L) - 1 batched L x L products and one
+    with rhs; L a power of two), or "auto": products on a GPU, where at the 35B shape's prompt
+    sizes they took 0.65 ms against trsm's 1.11 at 2,048 tokens (`gated_delta_check.py
+    --solve-only`, docs/lab/hybrid-h200.md), the triangular solve elsewhere (on the CPU the
+    products were ~1.5x slower).
+    """
+    if solve == "auto":
+        solve = "products" if jax.default_backend() == "gpu" else "triangular"
+    if solve == "triangular":
+        return lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    if solve != "products":
+        raise ValueError(f"solve must be 'auto', 'triangular' or 'products', got {solve!r}")
+    L = system.shape[-1]
+    if L & (L - 1):
+        raise ValueError(f"the product form needs a power-of-two chunk, got {L}")
+    mm = functools.partial(jnp.matmul, precision=_HIGHEST)
+    n = -jnp.tril(system, -1)
+    inv, power = jnp.eye(L, dtype=system.dtype) + n, n
+    for _ in range(L.bit_length() - 2):  # inv = (I + N)(I + N^2)...(I + N^(2^j)), through N^(L/2)
+        power = mm(power, power)
+        inv = inv + mm(inv, power)
+    return mm(inv, rhs)
 
 
 def _scan_state_pass(
@@ -221,7 +252,7 @@ def _scan_state_pass(
     return jnp.moveaxis(out, 1, 2), new_state
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision", "kernel"))
+@functools.partial(jax.jit, static_argnames=("chunk", "qk_l2norm", "precision", "kernel", "solve"))
 def gated_delta_chunked(
     q: jax.Array,
     k: jax.Array,
@@ -234,6 +265,7 @@ def gated_delta_chunked(
     qk_l2norm: bool = True,
     precision: lax.Precision | None = _HIGHEST,
     kernel: str | None = None,
+    solve: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule in chunks of L = `chunk` tokens (the WY / UT form): same
     arguments and results as `gated_delta_recurrent`, with the sequential part cut from T
@@ -257,10 +289,10 @@ def gated_delta_chunked(
     launch ("pallas", or "interpret" for its interpreter: `gated_delta_chunk_kernel`), which
     on a GPU replaces the scan's ~4 launches per chunk. T is padded up to a multiple of L with
     g = 0, beta = 0 (state-neutral). Memory: the per-chunk [L, L] matrices are N x H x T x L
-    floats.
+    floats. `solve`: how (I + A)^-1 is applied (`unit_lower_solve`).
     """
     T = k.shape[1]
-    terms = chunk_terms(q, k, v, g, beta, chunk=chunk, qk_l2norm=qk_l2norm, precision=precision)
+    terms = chunk_terms(q, k, v, g, beta, chunk=chunk, qk_l2norm=qk_l2norm, precision=precision, solve=solve)
     if kernel is None:
         out, new_state = _scan_state_pass(terms, state, precision)
     else:

@@ -13,6 +13,7 @@ from jaxllm.model.gated_delta import (
     gated_delta_recurrent,
     gated_rms_norm,
     l2_normalize,
+    unit_lower_solve,
 )
 
 H, DK, DV = 2, 8, 4
@@ -20,6 +21,8 @@ CHUNK = 16
 RULES = {
     "recurrent": lambda *a, **kw: gated_delta_recurrent(*a, **kw),
     "chunked": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, **kw),
+    # the GPU's form of the per-chunk solve (unit_lower_solve), run here on the CPU
+    "chunked_products": lambda *a, **kw: gated_delta_chunked(*a, chunk=CHUNK, solve="products", **kw),
 }
 
 
@@ -136,6 +139,22 @@ def test_chunked_agrees_with_recurrent_at_default_chunk():
     out_r, s_r = gated_delta_recurrent(q, k, v, g, beta, state)
     np.testing.assert_allclose(out_c, out_r, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(s_c, s_r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("L", [16, 64])
+def test_unit_lower_solve_forms_match_numpy(L):
+    """Both forms of the per-chunk solve against numpy's dense solve of (I + strict_lower(A)),
+    with a diagonal and upper part that must not be read."""
+    rng = np.random.default_rng(L)
+    system = rng.uniform(-1, 1, size=(3, L, L)).astype(np.float32)  # |entries| <= 1, as beta (k.k) e^(c_i - c_j)
+    rhs = rng.normal(size=(3, L, 5)).astype(np.float32)
+    lower = np.tril(system.astype(np.float64), -1) + np.eye(L)
+    ref = np.linalg.solve(lower, rhs.astype(np.float64))
+    for solve in ("triangular", "products"):
+        got = np.asarray(unit_lower_solve(jnp.asarray(system), jnp.asarray(rhs), solve=solve), np.float64)
+        np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max(), err_msg=solve)
+    with pytest.raises(ValueError, match="power-of-two"):
+        unit_lower_solve(jnp.ones((2, 12, 12)), jnp.ones((2, 12, 1)), solve="products")
 
 
 # ---------------------------------------------------------------- padding and splits
