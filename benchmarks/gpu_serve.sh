@@ -65,9 +65,10 @@ grep -h "warm-up:" "$out"/serve-qwen3-30b.log
 stop
 fi
 
-# The hybrid Qwen3.5-35B-A3B shape (issue 17): single stream, a 2k prompt, 64 concurrent.
+# The hybrid Qwen3.5-35B-A3B shape (issue 17): single stream, a 2k prompt, 16 and 64 concurrent
+# (Q35_CONFIG: the same shape cut to fewer layers, for an 80 GB card).
 if [[ $cases == *qwen35* ]]; then
-serve_and_bench qwen3.5-35b --load-format dummy --model configs/qwen3.5-35b-a3b.json --dtype bfloat16 --unroll-layers \
+serve_and_bench qwen3.5-35b --load-format dummy --model ${Q35_CONFIG:-configs/qwen3.5-35b-a3b.json} --dtype bfloat16 --unroll-layers \
   --config configs/gpu-qwen3.5-35b.toml || exit 1
 bench 35b-single-1k --vocab-size 248000 --input-len 1000 --output-len 128 --concurrency 1 --num-prompts 4
 bench 35b-prefill-2k --vocab-size 248000 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts 4

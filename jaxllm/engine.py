@@ -157,6 +157,10 @@ class Sequence:
     # Prompt positions where a prompt chunk must end: a recurrent state exists only where a
     # round stopped, so prefix-cache checkpoints of hybrid models are taken there.
     stops: list[int] = dataclasses.field(default_factory=list)
+    # Hybrid models, when the caller wants prompt[:-1] (an exact repeat's checkpoint): instead
+    # of a stop there (and a one-token round after it) the chunk that ends the prompt keeps
+    # the state at len(prompt) - 1 in the side row (`ChunkBatch.seg_side`).
+    side_point: int | None = None
     drafting: DraftControl | None = None  # None: this sequence does not draft
     lookup: NgramIndex | None = None  # its prompt-lookup index (`Engine._lookup`)
     verifying: int = 0  # tokens an in-flight verification round may emit (collect settles it)
@@ -350,6 +354,9 @@ class Engine:
                     )
                 )
             )
+        # (sequence id, positions) of the state in the side row, written by the last chunk
+        # built (`_build_chunk`); `extract` reads a prefix there.
+        self._side: tuple[int, int] | None = None
         self.free_slots = list(range(self.config.max_slots))
         self.free_pages = list(range(self.layout.n_pages - 1, 0, -1))  # page 0 is the trash page
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence
@@ -423,6 +430,8 @@ class Engine:
             raise
         self.state = state
         points = sorted({int(b) for b in stops if 0 < b < len(prompt)})
+        chunk_stops = points if self.cfg.n_linear_layers and not self.config.batch_invariant else []
+        side_point = len(prompt) - 1 if len(prompt) - 1 in chunk_stops else None
         seq = Sequence(
             id=next(self._ids),
             slot=slot,
@@ -432,7 +441,8 @@ class Engine:
             seed=int(seed),
             constraint=constraint,
             extract_at=points,
-            stops=points if self.cfg.n_linear_layers and not self.config.batch_invariant else [],
+            stops=[b for b in chunk_stops if b != side_point],
+            side_point=side_point,
             drafting=self._draft_control(params, constraint),
         )
         if checkpoint is not None:
@@ -478,6 +488,8 @@ class Engine:
         prefilled = min(seq.prefilled, len(seq.prompt))
         if not 0 < n_positions <= prefilled:
             return False
+        if self._side == (seq.id, n_positions):
+            return True
         return not self.cfg.n_linear_layers or (n_positions == prefilled and seq.dispatched == 0)
 
     def remove(self, seq: Sequence) -> None:
@@ -502,7 +514,11 @@ class Engine:
         written = min(seq.prefilled, len(seq.prompt)) + len(seq.generated)
         n = written if n_positions is None else n_positions
         n_pages = pages_bucket(max(self.layout.pages_for(n), 1), self.layout.max_pages_per_seq)
-        ckpt = steps.extract(self.state, np.int32(seq.slot), n_pages=n_pages)
+        if n_positions is not None and self._side == (seq.id, n_positions):
+            side_row = np.int32(self.layout.max_slots + 1)  # see RecurrentState
+            ckpt = steps.extract(self.state, np.int32(seq.slot), n_pages=n_pages, recurrent_row=side_row)
+        else:
+            ckpt = steps.extract(self.state, np.int32(seq.slot), n_pages=n_pages)
         if n_positions is None:
             return ckpt
         if not self.can_extract(seq, n_positions):
@@ -709,6 +725,7 @@ class Engine:
             seg_start=np.zeros((nc,), np.int32),
             seg_len=np.zeros((nc,), np.int32),
             seg_samples=np.zeros((nc,), bool),
+            seg_side=np.zeros((nc,), bool),
         )
 
     # ---- rounds -----------------------------------------------------------------------
@@ -1088,6 +1105,7 @@ class Engine:
         bucket = bucket or next(b for b in self.config.chunk_buckets if b >= total)
         chunk = self._idle_chunk(bucket)
         reach, at, finishing, advances = 0, 0, [], []
+        self._side = None  # the side row holds one state: this round's, if it keeps one
         for i, (seq, n) in enumerate(members):
             start = seq.prefilled
             chunk.tokens[at : at + n] = seq.prompt[start : start + n]
@@ -1096,6 +1114,9 @@ class Engine:
             seq.prefilled = start + n
             ends = seq.prefilled == len(seq.prompt)
             chunk.seg_slot[i], chunk.seg_start[i], chunk.seg_len[i], chunk.seg_samples[i] = seq.slot, at, n, ends
+            if ends and self._side is None and seq.side_point is not None and start <= seq.side_point:
+                chunk.seg_side[i] = True
+                self._side = (seq.id, seq.side_point)
             finishing += [seq] if ends else []
             advances.append(
                 PromptAdvance(

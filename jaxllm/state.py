@@ -107,10 +107,13 @@ class KVCache:
 @struct.dataclass
 class RecurrentState:
     """Per-slot state of the linear-attention (Gated DeltaNet) layers, float32. Row B is a
-    trash row like the page table's: padding and idle rows write there."""
+    trash row like the page table's: padding and idle rows write there. Row B + 1 is the side
+    row: a prompt segment that ends its prompt and asks for it
+    (`ChunkBatch.seg_side`) leaves there its state after all but its last token, so a prefix
+    checkpoint of prompt[:-1] (an exact repeat's) costs no round of its own."""
 
-    conv: jax.Array  # [Ll, B + 1, Kc - 1, C]: the causal conv's last inputs
-    delta: jax.Array  # [Ll, B + 1, Hv, Dk, Dv]: the delta-rule matrix
+    conv: jax.Array  # [Ll, B + 2, Kc - 1, C]: the causal conv's last inputs
+    delta: jax.Array  # [Ll, B + 2, Hv, Dk, Dv]: the delta-rule matrix
 
 
 @struct.dataclass
@@ -193,7 +196,7 @@ def init_state(cfg: ModelConfig, layout: StateLayout, opts: RuntimeOptions) -> D
     """Allocates a zeroed decode state (call under jit to build it on device)."""
     B, V = layout.max_slots, cfg.vocab_size
     kv_shape = (cfg.n_kv_layers, layout.n_pages, layout.page_size, cfg.n_kv_heads, cfg.head_dim)
-    shapes = recurrent_shapes(cfg, B + 1)
+    shapes = recurrent_shapes(cfg, B + 2)  # the slots, the trash row, the side row
     recurrent = (
         None
         if shapes is None

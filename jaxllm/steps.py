@@ -42,6 +42,9 @@ class ChunkBatch:
     seg_start: jax.Array  # [Nc] i32 index into the chunk tokens
     seg_len: jax.Array  # [Nc] i32 (0 = unused segment)
     seg_samples: jax.Array  # [Nc] bool: the segment ends its prompt, so its last token samples
+    # [Nc] bool, hybrid models: also keep the segment's recurrent state after all but its last
+    # token in the state's side row (a prefix checkpoint of prompt[:-1] without a round of its own)
+    seg_side: jax.Array
 
 
 @struct.dataclass
@@ -81,7 +84,14 @@ class StepOutput:
 def empty_chunk(B: int) -> ChunkBatch:
     z = np.zeros((0,), np.int32)
     return ChunkBatch(
-        tokens=z, slots=z, positions=z, seg_slot=z, seg_start=z, seg_len=z, seg_samples=np.zeros((0,), bool)
+        tokens=z,
+        slots=z,
+        positions=z,
+        seg_slot=z,
+        seg_start=z,
+        seg_len=z,
+        seg_samples=np.zeros((0,), bool),
+        seg_side=np.zeros((0,), bool),
     )
 
 
@@ -111,6 +121,7 @@ def _round(
         positions=jnp.concatenate([jnp.where(decoding, state.lengths, 0)[d], chunk.positions]),
         decode=Windows(slot=rows[d], start=rows[d], length=decoding[d].astype(jnp.int32)),
         chunks=Windows(slot=chunk.seg_slot, start=Wd + chunk.seg_start, length=chunk.seg_len),
+        chunk_side=chunk.seg_side,
     )
     if cfg.is_hybrid:
         hidden, kv, recurrent, experts = hybrid_forward(
@@ -298,9 +309,13 @@ def release_slot(state: DecodeState, slot: jax.Array) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=("n_pages",))
-def extract(state: DecodeState, slot: jax.Array, *, n_pages: int) -> SeqCheckpoint:
-    """Copies a slot's first `n_pages` pages and scalars out of the state."""
+def extract(
+    state: DecodeState, slot: jax.Array, *, n_pages: int, recurrent_row: jax.Array | None = None
+) -> SeqCheckpoint:
+    """Copies a slot's first `n_pages` pages and scalars out of the state; the recurrent state
+    from `recurrent_row` when given (the side row: see `RecurrentState`), else the slot's."""
     pages = state.page_table[slot, :n_pages]
+    row = slot if recurrent_row is None else recurrent_row
     return SeqCheckpoint(
         k=state.kv.k[:, pages],
         v=state.kv.v[:, pages],
@@ -310,8 +325,8 @@ def extract(state: DecodeState, slot: jax.Array, *, n_pages: int) -> SeqCheckpoi
         done=state.done[slot],
         seen=state.seen[slot],
         out_counts=state.out_counts[slot],
-        conv=None if state.recurrent is None else state.recurrent.conv[:, slot],
-        delta=None if state.recurrent is None else state.recurrent.delta[:, slot],
+        conv=None if state.recurrent is None else state.recurrent.conv[:, row],
+        delta=None if state.recurrent is None else state.recurrent.delta[:, row],
     )
 
 

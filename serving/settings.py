@@ -175,6 +175,20 @@ def _default_backend() -> str:
     return "gpu" if jax.default_backend() == "gpu" else "cpu"
 
 
+def _recurrent_buckets(buckets: tuple[int, ...], context: int) -> tuple[int, ...]:
+    """The chunk buckets of a hybrid model on a many-slot GPU server: a 32-row one first and
+    none past the first that holds a whole sequence.
+
+    A hybrid's prompt chunk ends at every prefix-cache point, the last being all but the
+    prompt's last token (an exact repeat recomputes one position), so that token arrives alone
+    in the round that draws the first token; padded to a 512-row bucket that round cost as much
+    as a 512-token prompt. One prompt a chunk also means no chunk is longer than the context.
+    """
+    fits = [b for b in buckets if b < context]
+    whole = [b for b in buckets if b >= context][:1]
+    return tuple(sorted({32, *fits, *whole}))
+
+
 def derive_engine(
     *,
     slots: int,
@@ -208,11 +222,14 @@ def derive_engine(
     if backend == "gpu":
         many = slots >= 32
         top = min(4096, max(512, 64 * slots))
+        # Doubling buckets: a lone 1k prompt pads to 1024 rows, not 2048 (its first token
+        # waited on a 2k prompt's FLOPs: docs/lab/2026-12.md, 8B TTFT).
+        buckets = tuple(top >> k for k in (3, 2, 1, 0)) if many else (32, 128, min(top, max(context, 128)))
+        if many and recurrent:
+            buckets = _recurrent_buckets(buckets, context)
         shapes: dict[str, Any] = dict(
             chunk_segments=4 if many and not recurrent else 1,
-            # Doubling buckets: a lone 1k prompt pads to 1024 rows, not 2048 (its first token
-            # waited on a 2k prompt's FLOPs: docs/lab/2026-12.md, 8B TTFT).
-            chunk_buckets=tuple(top >> k for k in (3, 2, 1, 0)) if many else (32, 128, min(top, max(context, 128))),
+            chunk_buckets=buckets,
             decode_steps_per_call=16 if slots <= 16 else 8,
             decode_widths=(1, slots // 8) if slots > 8 else (1,),
             chunk_decode_width=slots if many else 0,

@@ -40,6 +40,9 @@ class Segments:
     rows: jax.Array  # [R, Tw] i32 flat batch row of each of its tokens (clipped; see `valid`)
     valid: jax.Array  # [R, Tw] bool
     lengths: jax.Array  # [R] i32 tokens it advances by
+    # [R] bool: also keep its state after all but its last token (for the side row); None
+    # for decode rows
+    side: jax.Array | None = None
 
 
 def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segments, Segments | None]:
@@ -64,6 +67,7 @@ def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segme
         rows=rows,
         valid=valid,
         lengths=c.length,
+        side=(c.length > 0) & (False if batch.chunk_side is None else batch.chunk_side),
     )
     return decode, chunks
 
@@ -148,6 +152,44 @@ def _advance(
     return gated_delta_recurrent(x.q, x.k, x.v, x.decay, x.beta, delta0)
 
 
+def _advance_keeping_side(
+    x: _RuleInputs, delta0: jax.Array, lengths: jax.Array, side: jax.Array, kernel: str | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`_advance` of prompt segments, and where `side`, also each one's matrix after all but
+    its last token: (core output [R, Tw, Hv, Dv], new matrices, side matrices [R, ...]).
+
+    The chunked pass runs with a side segment's last token made state-neutral (decay 0, beta
+    0), which gives the side matrix and every output before that token (the rule is causal);
+    one recurrent step then takes the last token from there. The same work as one pass, so
+    it runs for every segment and `side` only selects.
+    """
+    Tw = x.q.shape[1]
+    last = jnp.maximum(lengths - 1, 0)  # [R] index of the last token
+    cut = jnp.where(side, last, lengths)  # tokens the chunked pass takes
+    keep = (jnp.arange(Tw)[None, :] < cut[:, None])[..., None]  # [R, Tw, 1]
+    masked = x.replace(decay=jnp.where(keep, x.decay, 0.0), beta=jnp.where(keep, x.beta, 0.0))
+    out, side_delta = _advance(masked, delta0, chunked=True, kernel=kernel)
+
+    def at_last(a: jax.Array) -> jax.Array:  # [R, Tw, ...] -> [R, 1, ...]
+        return jnp.take_along_axis(a, last.reshape(-1, 1, *([1] * (a.ndim - 2))), axis=1)
+
+    out_last, full = gated_delta_recurrent(
+        at_last(x.q), at_last(x.k), at_last(x.v), at_last(x.decay), at_last(x.beta), side_delta
+    )
+    is_last = (side[:, None] & (jnp.arange(Tw)[None, :] == last[:, None]))[..., None, None]  # [R, Tw, 1, 1]
+    out = jnp.where(is_last, out_last.astype(out.dtype), out)
+    return out, jnp.where(side[:, None, None, None], full, side_delta), side_delta
+
+
+def _side_windows(qkv_rows: jax.Array, conv0: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Each segment's conv window after all but its last token: the last Kc - 1 inputs of
+    (window ++ x[: length - 1]). qkv_rows [R, Tw, C] float32, conv0 [R, Kc - 1, C]."""
+    both = jnp.concatenate([conv0.astype(jnp.float32), qkv_rows], axis=1)
+    width = conv0.shape[1]
+    start = jnp.maximum(lengths - 1, 0)
+    return jax.vmap(lambda b, s: lax.dynamic_slice_in_dim(b, s, width, axis=0))(both, start)
+
+
 def input_projections(
     h: jax.Array, p: DeltaNetParams, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -190,9 +232,11 @@ def delta_mixer(
 
     Returns:
       ([T, D] output, new conv windows [R, Kc-1, C], new delta matrices [R', Hv, Dk, Dv] or
-      None, the pool or None). R = decode sequences + chunk segments, in that order (targets:
-      `decode.targets`, then `chunks.targets`); R' the same, or the chunk segments alone when
-      the kernel advanced the decode rows in the pool. With `snapshots` (rounds without decode
+      None, the pool or None). R = decode sequences + chunk segments + chunk segments again
+      (their states after all but their last token, for the side row), in that order
+      (targets: `decode.targets`, `chunks.targets`, then the side row where `chunks.side`
+      and the trash row elsewhere); R' the same, or the chunk segments' two sets alone when
+      the kernel advanced the decode rows in the pool. With `snapshots` no side rows. With `snapshots` (rounds without decode
       rows: verification), the segments' states after each of their tokens, [R, Tw, ...].
     """
     if snapshots and decode.slots.shape[0]:
@@ -208,7 +252,7 @@ def delta_mixer(
     # decodes and prefills in one round, so the reads and the writes touch different rows).
     delta0 = [None if kernel is not None and not chunked else matrices[layer_index, seg.slots] for seg, chunked in segs]
     core = jnp.zeros((T, cfg.linear_n_v_heads, cfg.linear_v_dim), jnp.float32)
-    convs, deltas = [], []
+    convs, deltas, side_rows = [], [], []
     for (seg, chunked), d0 in zip(segs, delta0):
         inputs, conv = _rule_inputs(qkv, b, a, p, conv_all[seg.slots], seg, cfg, snapshots=snapshots)
         if d0 is None:
@@ -226,12 +270,21 @@ def delta_mixer(
                 interpret=kernel == "interpret",
             )
             out = out[:, None]
+        elif chunked and not snapshots:
+            side = jnp.zeros(seg.lengths.shape, bool) if seg.side is None else seg.side
+            out, delta, side_delta = _advance_keeping_side(inputs, d0, seg.lengths, side, chunk_kernel)
+            deltas.append(delta)
+            x_rows = qkv[seg.rows].astype(jnp.float32)
+            side_rows.append((_side_windows(x_rows, conv_all[seg.slots], seg.lengths), side_delta))
         else:
             out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots, kernel=chunk_kernel)
             deltas.append(delta)
         rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
         core = core.at[rows].set(out, mode="drop")
         convs.append(conv)
+    for conv, delta in side_rows:  # after every segment's own rows (`hybrid._chunk_targets`)
+        convs.append(conv)
+        deltas.append(delta)
     normed = gated_rms_norm(core, z, p.norm, cfg.rms_eps).astype(h.dtype)
     new_deltas = jnp.concatenate(deltas) if deltas else None
     return project(normed, p.w_out, 2), jnp.concatenate(convs), new_deltas, pool

@@ -39,6 +39,9 @@ class TokenBatch:
     positions: jax.Array  # [T] i32
     decode: Windows  # one-token windows; window i is row i (the batch's first rows)
     chunks: Windows  # multi-token windows (prompt chunks)
+    # [Nc] bool per chunk window, hybrid models only: also keep its recurrent state after all
+    # but its last token, in the state's side row (`RecurrentState`); None: no window does.
+    chunk_side: jax.Array | None = None
 
 
 @struct.dataclass

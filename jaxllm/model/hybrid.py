@@ -234,10 +234,13 @@ def hybrid_forward(
             flat(experts),
         )
     if recurrent is not None and conv is not None:
-        targets = _after(_targets(decode, chunks), hidden)
+        chunk_targets = None if chunks is None else _chunk_targets(chunks, trash)
+        targets = _after(
+            decode.targets if chunk_targets is None else jnp.concatenate([decode.targets, chunk_targets]), hidden
+        )
         matrices = recurrent.delta if pool is None else pool
         if delta is not None:  # with the kernel, only chunk segments' matrices are rows to write
-            rows_of = targets if pool is None else _after(chunks.targets, hidden)
+            rows_of = targets if pool is None else _after(chunk_targets, hidden)
             matrices = matrices.at[:, rows_of].set(flat(delta))
         recurrent = RecurrentState(
             conv=recurrent.conv.at[:, targets].set(flat(conv).astype(recurrent.conv.dtype)), delta=matrices
@@ -266,3 +269,10 @@ class StateSnapshots:
 
 def _targets(decode: Segments, chunks: Segments | None) -> jax.Array:
     return decode.targets if chunks is None else jnp.concatenate([decode.targets, chunks.targets])
+
+
+def _chunk_targets(chunks: Segments, trash: int) -> jax.Array:
+    """Where a round's chunk-segment rows go (see `delta_mixer`): each segment's slot, then the
+    side row (trash + 1) for its state after all but its last token where it keeps one."""
+    assert chunks.side is not None
+    return jnp.concatenate([chunks.targets, jnp.where(chunks.side, trash + 1, trash)])

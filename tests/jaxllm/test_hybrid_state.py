@@ -98,15 +98,37 @@ def test_prefix_checkpoint_at_a_stop_continues_like_a_fresh_prefill(params):
     assert len(engine.free_slots) == 2  # the refused add gave its slot back
 
 
-def test_exact_repeat_from_the_last_but_one_position(params):
+@pytest.mark.parametrize("prompt", [PROMPT, PROMPT + PROMPT[::-1] + [8, 9]], ids=["one-chunk", "two-chunks"])
+def test_exact_repeat_from_the_last_but_one_position(params, prompt):
+    """The exact-repeat checkpoint (prompt[:-1]) costs no round of its own: the chunk that ends
+    the prompt also keeps the state one token earlier in the side row, and that checkpoint
+    holds what prefilling prompt[:-1] alone holds."""
     engine = make_engine(params)
-    donor = engine.add(PROMPT, SAMPLED, stops=[len(PROMPT) - 1])
-    engine.step()
-    ckpt = engine.extract(donor, len(PROMPT) - 1)
+    donor = engine.add(prompt, SAMPLED, stops=[len(prompt) - 1])
+    while donor.prefilled < len(prompt) - 1:
+        engine.step()
+    assert donor.prefilled == len(prompt) and len(donor.generated) == 1  # the whole prompt, first token drawn
+    assert engine.can_extract(donor, len(prompt) - 1)
+    ckpt = engine.extract(donor, len(prompt) - 1)
     run(engine, [donor])
-    again = engine.add(PROMPT, SAMPLED, checkpoint=ckpt, cached_tokens=len(PROMPT) - 1)
+    assert engine.can_extract(donor, len(prompt) - 1)  # decode rounds leave the side row alone
+
+    reference = make_engine(params)
+    alone = reference.add(prompt[:-1], SAMPLED)
+    while alone.prefilled < len(prompt) - 1:
+        reference.step()
+    expected = reference.extract(alone, len(prompt) - 1)
+    np.testing.assert_allclose(ckpt.delta, expected.delta, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ckpt.conv, expected.conv, rtol=1e-6, atol=1e-6)
+    n = len(prompt) - 1  # K/V of the prefix's positions (pages hold more)
+    got_k = np.asarray(ckpt.k).reshape(ckpt.k.shape[0], -1, *ckpt.k.shape[3:])[:, :n]
+    want_k = np.asarray(expected.k).reshape(expected.k.shape[0], -1, *expected.k.shape[3:])[:, :n]
+    np.testing.assert_allclose(got_k, want_k, rtol=1e-4, atol=1e-5)
+
+    again = engine.add(prompt, SAMPLED, checkpoint=ckpt, cached_tokens=len(prompt) - 1)
     run(engine, [again])
     assert again.generated == donor.generated
+    assert not engine.can_extract(donor, len(prompt) - 1)  # the next chunk took the side row
 
 
 def test_checkpoint_and_model_round_trip_through_orbax(params):
@@ -132,7 +154,8 @@ def test_recurrent_state_is_a_fixed_size_per_slot(params):
     )
     assert recurrent_bytes_per_sequence(CFG) == per_seq
     engine = make_engine(params)
-    assert engine.state.recurrent.delta.shape == (2, 4, 4, 8, 8)  # linear layers, slots + trash row, Hv, Dk, Dv
+    # linear layers, slots + trash row + side row, Hv, Dk, Dv
+    assert engine.state.recurrent.delta.shape == (2, 5, 4, 8, 8)
     assert engine.state.kv.k.shape[0] == CFG.n_kv_layers == 2
 
 
@@ -178,5 +201,5 @@ def test_decode_kernel_and_unrolled_layers_match_the_scanned_jnp_recurrence(para
     (a_ref, b_ref, state_ref), *others = runs
     for a, b, state in others:
         assert a == a_ref and b == b_ref
-        # Slot rows only: the trash row (the last) is scratch that only the jnp path writes into.
-        np.testing.assert_allclose(state[:, :-1], state_ref[:, :-1], rtol=1e-4, atol=1e-5)
+        # Slot rows only: the trash and side rows (the last two) are scratch.
+        np.testing.assert_allclose(state[:, :-2], state_ref[:, :-2], rtol=1e-4, atol=1e-5)

@@ -41,7 +41,12 @@ def test_models_with_recurrent_layers_take_one_prompt_a_chunk():
     hybrid = derive_engine(slots=64, context=2176, kv_mib=24000, backend="gpu", recurrent=True)
     dense = derive_engine(slots=64, context=2176, kv_mib=24000, backend="gpu")
     assert (hybrid.chunk_segments, dense.chunk_segments) == (1, 4)
-    assert hybrid.chunk_buckets == dense.chunk_buckets and hybrid.chunk_decode_width == 64
+    assert hybrid.chunk_decode_width == 64
+    # A small bucket for the prompt's lone last token (the exact-repeat checkpoint ends the chunk
+    # before it), none past the context: one prompt a chunk is never longer than a sequence.
+    assert dense.chunk_buckets == (512, 1024, 2048, 4096) and hybrid.chunk_buckets == (32, 512, 1024, 2048, 4096)
+    short = derive_engine(slots=64, context=1024, kv_mib=24000, backend="gpu", recurrent=True)
+    assert short.chunk_buckets == (32, 512, 1024)
     gpu = parse_settings({"engine": {"backend": "gpu", "max_slots": 64, "max_seq_len": 2176, "kv_mib": 24000}}).engine
     assert gpu.engine_config(recurrent=True).chunk_segments == 1 and gpu.engine_config().chunk_segments == 4
 
