@@ -23,7 +23,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.model.forward import TokenBatch, forward, lm_head
 from jaxllm.model.hybrid import hybrid_forward
-from jaxllm.model.mtp import mtp_draft
+from jaxllm.model.mtp import mtp_draft_slots
 from jaxllm.model.kernel_choice import matmul_kernel, sampler_branches
 from jaxllm import samplers_extra
 from jaxllm.params import Params
@@ -505,10 +505,7 @@ def _verify_round(
         # The head drafts what follows the token just sampled, from the hidden state that
         # sampled it (the accepted position's), for the slot's next verification round.
         h_last = hidden.reshape(B, Tw, -1)[rows, last]
-        # One slot after another: the head's routed experts (ragged_dot) do not batch under vmap.
-        next_drafts = jax.lax.map(
-            lambda a: mtp_draft(params, cfg, a[0], a[1], a[2], K)[0], (h_last, new_last, state.lengths + last)
-        )
+        next_drafts = mtp_draft_slots(params, cfg, h_last, new_last, state.lengths + last, decoding, K)
     steps_axis = jnp.arange(Tw)[:, None]
     out = StepOutput(
         tokens=tokens.T,

@@ -38,19 +38,23 @@ from jaxllm.model.layers import apply_rope, project, rms_norm, rope_inv_freq
 from jaxllm.params import GatedAttentionParams, MtpParams, Params
 
 
-def _causal_gated_attention(h: jax.Array, p: GatedAttentionParams, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Gated attention (as `gated_attention`) of [T, D] normed rows over themselves, causal
-    by row order; no cache, since the head's K/V exist only for the rows it is given."""
+def _causal_gated_attention(
+    h: jax.Array, p: GatedAttentionParams, positions: jax.Array, cfg: ModelConfig, n_seqs: int
+) -> jax.Array:
+    """Gated attention (as `gated_attention`) of [S * T, D] normed rows, `n_seqs` sequences of
+    T rows each one after another, over themselves, causal by row order within each sequence;
+    no cache, since the head's K/V exist only for the rows it is given."""
     eps = cfg.rms_eps
-    q, gate, k, v = input_projections(h, p, cfg)  # q, gate [T, H, Dh]; k, v [T, K, Dh]
+    q, gate, k, v = input_projections(h, p, cfg)  # q, gate [S * T, H, Dh]; k, v [S * T, K, Dh]
     q, k = rms_norm(q, p.q_norm, eps), rms_norm(k, p.k_norm, eps)
     inv_freq = rope_inv_freq(cfg)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    # [1, T, H, Dh]; grouped K/V heads are shared by H / K query heads, softmax scale 1/sqrt(Dh)
-    attn = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    seqs = lambda a: a.reshape(n_seqs, -1, *a.shape[1:])  # noqa: E731  [S, T, heads, Dh]
+    # grouped K/V heads are shared by H / K query heads, softmax scale 1/sqrt(Dh)
+    attn = jax.nn.dot_product_attention(seqs(q), seqs(k), seqs(v), is_causal=True).reshape(q.shape)
     attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
-    return project(attn, p.wo, 2)  # [T, D]
+    return project(attn, p.wo, 2)  # [S * T, D]
 
 
 def _mtp(params: Params, cfg: ModelConfig) -> MtpParams:
@@ -82,18 +86,35 @@ def mtp_forward(
       (float32 logits [T, V] for the token at t + 2, the head's hidden [T, D] after its final
       norm, which the next draft in a chain reads in place of the target's hidden).
     """
-    mtp = _mtp(params, cfg)
-    dt, eps = mtp.fc.dtype, cfg.rms_eps  # the compute dtype is the weights' (RuntimeOptions.dtype)
-    emb = rms_norm(params.embed[next_tokens].astype(dt), mtp.norm_embedding, eps)  # [T, D]
-    hid = rms_norm(hidden.astype(dt), mtp.norm_hidden, eps)  # [T, D]
-    x = project(jnp.concatenate([emb, hid], axis=-1), mtp.fc)  # [T, 2D] x [2D, D] -> [T, D]
-    lp = jax.tree.map(lambda w: w[layer], mtp.block)
-    x = x + _causal_gated_attention(rms_norm(x, lp.attn_norm, eps), lp.mixer, positions, cfg)
-    valid = jnp.ones(x.shape[:1], bool)
-    out, _ = block_mlp(rms_norm(x, lp.mlp_norm, eps), lp.mlp, cfg, valid)
-    x = x + out
-    head_hidden = rms_norm(x, mtp.final_norm, eps)  # [T, D]
+    valid = jnp.ones(hidden.shape[:1], bool)
+    head_hidden = _head_rows(params, cfg, hidden[None], next_tokens[None], positions[None], valid[None], layer)[0]
     return lm_head(params, head_hidden), head_hidden
+
+
+def _head_rows(
+    params: Params,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    next_tokens: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    layer: int = 0,
+) -> jax.Array:
+    """The head up to its final norm for S sequences of T consecutive rows each, in the same
+    products: hidden [S, T, D], next_tokens and positions [S, T], valid [S, T] (rows whose
+    routed experts run; the others' outputs are not meaningful). Returns [S, T, D]."""
+    mtp = _mtp(params, cfg)
+    S, T, D = hidden.shape
+    dt, eps = mtp.fc.dtype, cfg.rms_eps  # the compute dtype is the weights' (RuntimeOptions.dtype)
+    flat = lambda a: a.reshape(S * T, *a.shape[2:])  # noqa: E731
+    emb = rms_norm(params.embed[flat(next_tokens)].astype(dt), mtp.norm_embedding, eps)  # [S * T, D]
+    hid = rms_norm(flat(hidden).astype(dt), mtp.norm_hidden, eps)  # [S * T, D]
+    x = project(jnp.concatenate([emb, hid], axis=-1), mtp.fc)  # [S * T, 2D] x [2D, D] -> [S * T, D]
+    lp = jax.tree.map(lambda w: w[layer], mtp.block)
+    x = x + _causal_gated_attention(rms_norm(x, lp.attn_norm, eps), lp.mixer, flat(positions), cfg, S)
+    out, _ = block_mlp(rms_norm(x, lp.mlp_norm, eps), lp.mlp, cfg, flat(valid))
+    x = x + out
+    return rms_norm(x, mtp.final_norm, eps).reshape(S, T, D)
 
 
 def mtp_draft(
@@ -155,3 +176,57 @@ def mtp_draft(
     init = (hid_buf, tok_buf, jnp.zeros((k,), jnp.int32), jnp.zeros((k, V), jnp.float32))
     _, _, drafts, logits = jax.lax.fori_loop(0, k, step, init)
     return drafts, logits
+
+
+def mtp_draft_slots(
+    params: Params,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    token: jax.Array,
+    position: jax.Array,
+    live: jax.Array,
+    k: int,
+) -> jax.Array:
+    """k greedy drafts for each of S sequences (a verification round's slots) at once.
+
+    Row s equals `mtp_draft(params, cfg, hidden[s], token[s], position[s], k)[0]` where
+    `live[s]`; the other rows route no experts and draft tokens nobody reads. Every draft step
+    runs all S sequences' chains in the same products, and the vocabulary product only for the
+    row each chain reads, so the head reads its weights and the lm_head k times a round
+    whatever S is (one sequence at a time it read them S * k times).
+
+    Args:
+      params, cfg: as `mtp_forward` (cfg static; a one-layer head, as `mtp_draft`).
+      hidden: [S, D] the target's final-normed hidden at each sequence's last accepted position p.
+      token: [S] int, the token at p + 1; position: [S] int, p.
+      live: [S] bool, the sequences whose drafts are wanted.
+      k: drafts per sequence (static, >= 1).
+
+    Returns:
+      draft tokens [S, k] int32 for positions p + 2 .. p + k + 1.
+    """
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    if cfg.mtp_layers != 1:
+        raise ValueError(f"mtp_draft_slots chains a one-layer head; this model's has {cfg.mtp_layers}")
+    S, D = hidden.shape
+    dt = _mtp(params, cfg).fc.dtype
+    # Each chain's rows: the given one, then one per draft but the last (as `mtp_draft`).
+    hid = jnp.zeros((S, k, D), dt).at[:, 0].set(hidden.astype(dt))
+    tok = jnp.zeros((S, k), jnp.int32).at[:, 0].set(token.astype(jnp.int32))
+    pos = position.astype(jnp.int32)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(k)[None, :]
+
+    def step(j, carry):
+        hid, tok, drafts = carry
+        head = _head_rows(params, cfg, hid, tok, pos, live[:, None] & (rows <= j))  # rows past j wait
+        read = jax.lax.dynamic_index_in_dim(head, j, axis=1, keepdims=False)  # [S, D]
+        draft = jnp.argmax(lm_head(params, read), axis=-1).astype(jnp.int32)
+        nxt = jnp.minimum(j + 1, k - 1)  # the last step writes nowhere new
+        write = j + 1 < k
+        hid = jnp.where(write, hid.at[:, nxt].set(read), hid)
+        tok = jnp.where(write, tok.at[:, nxt].set(draft), tok)
+        return hid, tok, drafts.at[:, j].set(draft)
+
+    _, _, drafts = jax.lax.fori_loop(0, k, step, (hid, tok, jnp.zeros((S, k), jnp.int32)))
+    return drafts

@@ -28,7 +28,7 @@ from hf_tiny import make_tiny_hf_model
 from jaxllm.config import config_from_hf
 from jaxllm.loading import load_model
 from jaxllm.loading.dummy import dummy_params
-from jaxllm.model.mtp import mtp_draft, mtp_forward
+from jaxllm.model.mtp import mtp_draft, mtp_draft_slots, mtp_forward
 
 FAMILIES = ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")
 MTP_SHARD = "model-mtp.safetensors"
@@ -237,6 +237,25 @@ def test_mtp_draft_chains_forward(mtp_model, context):
         tokens = jnp.concatenate([tokens, jnp.array([want[-1]], jnp.int32)])
         positions = jnp.concatenate([positions, positions[-1:] + 1])
     assert np.asarray(drafts).tolist() == want
+
+
+def test_mtp_draft_slots_equal_one_sequence_at_a_time(mtp_model):
+    """A verification round's drafts for all its slots at once: each live row drafts what
+    `mtp_draft` drafts for that sequence alone, whatever sits in the other rows."""
+    m = mtp_model
+    cfg, params = m["cfg"], m["params"]
+    k = 3
+    picks = [7, 3, 5, 0]  # each row: the hidden at position t and the token at t + 1
+    hidden = jnp.asarray(m["hidden"].numpy()[picks])
+    tokens = jnp.asarray(m["tokens"].numpy()[[t + 1 for t in picks]])
+    positions = jnp.asarray(picks, jnp.int32)
+    live = jnp.asarray([True, True, False, True])
+    got = jax.jit(mtp_draft_slots, static_argnums=(1, 6))(params, cfg, hidden, tokens, positions, live, k)
+    assert got.shape == (len(picks), k)
+    one = jax.jit(mtp_draft, static_argnums=(1, 5))
+    for s in np.flatnonzero(np.asarray(live)):
+        want, _ = one(params, cfg, hidden[s], tokens[s], positions[s], k)
+        assert np.asarray(got[s]).tolist() == np.asarray(want).tolist(), s
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
