@@ -236,8 +236,9 @@ def delta_mixer(
       (their states after all but their last token, for the side row), in that order
       (targets: `decode.targets`, `chunks.targets`, then the side row where `chunks.side`
       and the trash row elsewhere); R' the same, or the chunk segments' two sets alone when
-      the kernel advanced the decode rows in the pool. With `snapshots` no side rows. With `snapshots` (rounds without decode
-      rows: verification), the segments' states after each of their tokens, [R, Tw, ...].
+      the kernel advanced the decode rows in the pool. With `snapshots` (rounds without decode
+      rows: verification), no side rows, and the segments' states after each of their tokens,
+      [R, Tw, ...].
     """
     if snapshots and decode.slots.shape[0]:
         raise ValueError("snapshots are for rounds of segments only (no decode rows)")
