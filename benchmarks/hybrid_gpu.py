@@ -84,7 +84,8 @@ def main() -> None:
         prompt = rng.integers(0, cfg.vocab_size, 2048).tolist()
 
         def one_prefill():
-            seq = eng.add(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            # As the server asks: a checkpoint at the last-but-one position (an exact repeat's).
+            seq = eng.add(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), stops=[2047])
             eng.step()
             assert seq.generated
             eng.remove(seq)

@@ -228,7 +228,8 @@ def profile_prefill(cfg, opts: RuntimeOptions, params, args: argparse.Namespace)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prefill).tolist()
 
     def one_round():
-        seq = eng.add(prompt, SamplingParams(max_tokens=1, **GREEDY))
+        # The server asks for the prompt's last-but-one position (its exact-repeat checkpoint).
+        seq = eng.add(prompt, SamplingParams(max_tokens=1, **GREEDY), stops=[len(prompt) - 1])
         handle = eng.launch()
         eng.collect(handle)
         eng.remove(seq)
