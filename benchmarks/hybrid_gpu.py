@@ -85,7 +85,9 @@ def main() -> None:
 
         def one_prefill():
             # As the server asks: a checkpoint at the last-but-one position (an exact repeat's).
-            seq = eng.add(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), stops=[2047])
+            seq = eng.add(
+                prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), stops=[len(prompt) - 1]
+            )
             eng.step()
             assert seq.generated
             eng.remove(seq)

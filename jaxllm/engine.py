@@ -514,11 +514,9 @@ class Engine:
         written = min(seq.prefilled, len(seq.prompt)) + len(seq.generated)
         n = written if n_positions is None else n_positions
         n_pages = pages_bucket(max(self.layout.pages_for(n), 1), self.layout.max_pages_per_seq)
-        if n_positions is not None and self._side == (seq.id, n_positions):
-            side_row = np.int32(self.layout.max_slots + 1)  # see RecurrentState
-            ckpt = steps.extract(self.state, np.int32(seq.slot), n_pages=n_pages, recurrent_row=side_row)
-        else:
-            ckpt = steps.extract(self.state, np.int32(seq.slot), n_pages=n_pages)
+        side = n_positions is not None and self._side == (seq.id, n_positions)
+        row = self.layout.max_slots + 1 if side else seq.slot  # the side row: see RecurrentState
+        ckpt = steps.extract(self.state, np.int32(seq.slot), np.int32(row), n_pages=n_pages)
         if n_positions is None:
             return ckpt
         if not self.can_extract(seq, n_positions):
@@ -672,7 +670,7 @@ class Engine:
         # Checkpoints come in every power-of-two page count (`extract`): a prefix-cache entry
         # of any length, a paused request of any length, must not compile while serving.
         for n_pages in page_counts:
-            ckpt = steps.extract(self.state, np.int32(0), n_pages=n_pages)
+            ckpt = steps.extract(self.state, np.int32(0), np.int32(0), n_pages=n_pages)
             self.state = steps.insert(self.state, np.int32(0), ckpt)
             count += 1
             done += 1

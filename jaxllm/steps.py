@@ -309,13 +309,11 @@ def release_slot(state: DecodeState, slot: jax.Array) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=("n_pages",))
-def extract(
-    state: DecodeState, slot: jax.Array, *, n_pages: int, recurrent_row: jax.Array | None = None
-) -> SeqCheckpoint:
-    """Copies a slot's first `n_pages` pages and scalars out of the state; the recurrent state
-    from `recurrent_row` when given (the side row: see `RecurrentState`), else the slot's."""
+def extract(state: DecodeState, slot: jax.Array, recurrent_row: jax.Array, *, n_pages: int) -> SeqCheckpoint:
+    """Copies a slot's first `n_pages` pages and scalars out of the state, and the recurrent
+    state of `recurrent_row`: the slot's own, or the side row (see `RecurrentState`). An array
+    either way, so one compiled program serves both."""
     pages = state.page_table[slot, :n_pages]
-    row = slot if recurrent_row is None else recurrent_row
     return SeqCheckpoint(
         k=state.kv.k[:, pages],
         v=state.kv.v[:, pages],
@@ -325,8 +323,8 @@ def extract(
         done=state.done[slot],
         seen=state.seen[slot],
         out_counts=state.out_counts[slot],
-        conv=None if state.recurrent is None else state.recurrent.conv[:, row],
-        delta=None if state.recurrent is None else state.recurrent.delta[:, row],
+        conv=None if state.recurrent is None else state.recurrent.conv[:, recurrent_row],
+        delta=None if state.recurrent is None else state.recurrent.delta[:, recurrent_row],
     )
 
 

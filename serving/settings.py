@@ -179,10 +179,11 @@ def _recurrent_buckets(buckets: tuple[int, ...], context: int) -> tuple[int, ...
     """The chunk buckets of a hybrid model on a many-slot GPU server: a 32-row one first and
     none past the first that holds a whole sequence.
 
-    A hybrid's prompt chunk ends at every prefix-cache point, the last being all but the
-    prompt's last token (an exact repeat recomputes one position), so that token arrives alone
-    in the round that draws the first token; padded to a 512-row bucket that round cost as much
-    as a 512-token prompt. One prompt a chunk also means no chunk is longer than the context.
+    A hybrid's prompt chunk ends at every prefix-cache point (message boundaries), so a chat
+    prompt's last chunk is often a few tokens (the assistant header after the last message);
+    padded to a 512-row bucket such a round cost as much as a 512-token prompt (a lone token's
+    round: 16.1 ms at 32 rows on an H100, docs/lab/hybrid-h200.md). One prompt a chunk also
+    means no chunk is longer than the context.
     """
     fits = [b for b in buckets if b < context]
     whole = [b for b in buckets if b >= context][:1]

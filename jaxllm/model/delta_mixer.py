@@ -272,8 +272,8 @@ def delta_mixer(
             )
             out = out[:, None]
         elif chunked and not snapshots:
-            side = jnp.zeros(seg.lengths.shape, bool) if seg.side is None else seg.side
-            out, delta, side_delta = _advance_keeping_side(inputs, d0, seg.lengths, side, chunk_kernel)
+            assert seg.side is not None  # `round_segments` gives chunk segments theirs
+            out, delta, side_delta = _advance_keeping_side(inputs, d0, seg.lengths, seg.side, chunk_kernel)
             deltas.append(delta)
             x_rows = qkv[seg.rows].astype(jnp.float32)
             side_rows.append((_side_windows(x_rows, conv_all[seg.slots], seg.lengths), side_delta))
@@ -283,7 +283,7 @@ def delta_mixer(
         rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
         core = core.at[rows].set(out, mode="drop")
         convs.append(conv)
-    for conv, delta in side_rows:  # after every segment's own rows (`hybrid._chunk_targets`)
+    for conv, delta in side_rows:  # after every segment's own rows (`hybrid._targets`)
         convs.append(conv)
         deltas.append(delta)
     normed = gated_rms_norm(core, z, p.norm, cfg.rms_eps).astype(h.dtype)

@@ -230,17 +230,16 @@ def hybrid_forward(
         return (
             hidden,
             kv,
-            StateSnapshots(targets=_targets(decode, chunks), conv=flat(conv), delta=flat(delta)),
+            StateSnapshots(
+                targets=_targets(decode, chunks, trash, side_rows=False), conv=flat(conv), delta=flat(delta)
+            ),
             flat(experts),
         )
     if recurrent is not None and conv is not None:
-        chunk_targets = None if chunks is None else _chunk_targets(chunks, trash)
-        targets = _after(
-            decode.targets if chunk_targets is None else jnp.concatenate([decode.targets, chunk_targets]), hidden
-        )
+        targets = _after(_targets(decode, chunks, trash, side_rows=True), hidden)
         matrices = recurrent.delta if pool is None else pool
         if delta is not None:  # with the kernel, only chunk segments' matrices are rows to write
-            rows_of = targets if pool is None else _after(chunk_targets, hidden)
+            rows_of = targets if pool is None else targets[decode.targets.shape[0] :]
             matrices = matrices.at[:, rows_of].set(flat(delta))
         recurrent = RecurrentState(
             conv=recurrent.conv.at[:, targets].set(flat(conv).astype(recurrent.conv.dtype)), delta=matrices
@@ -267,12 +266,14 @@ class StateSnapshots:
         )
 
 
-def _targets(decode: Segments, chunks: Segments | None) -> jax.Array:
-    return decode.targets if chunks is None else jnp.concatenate([decode.targets, chunks.targets])
-
-
-def _chunk_targets(chunks: Segments, trash: int) -> jax.Array:
-    """Where a round's chunk-segment rows go (see `delta_mixer`): each segment's slot, then the
-    side row (trash + 1) for its state after all but its last token where it keeps one."""
-    assert chunks.side is not None
-    return jnp.concatenate([chunks.targets, jnp.where(chunks.side, trash + 1, trash)])
+def _targets(decode: Segments, chunks: Segments | None, trash: int, *, side_rows: bool) -> jax.Array:
+    """Where the mixer's state rows go, in its order (see `delta_mixer`): decode rows' slots,
+    chunk segments' slots, then with `side_rows` the side row (trash + 1) for each segment's
+    state after all but its last token where it keeps one, the trash row elsewhere."""
+    if chunks is None:
+        return decode.targets
+    parts = [decode.targets, chunks.targets]
+    if side_rows:
+        assert chunks.side is not None
+        parts.append(jnp.where(chunks.side, trash + 1, trash))
+    return jnp.concatenate(parts)

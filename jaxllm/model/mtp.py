@@ -145,37 +145,61 @@ def mtp_draft(
     Returns:
       (draft tokens [k] int32 for positions p + 2 .. p + k + 1, their float32 logits [k, V]).
     """
+    hidden = jnp.atleast_2d(hidden_last)[None]  # [1, T, D]
+    tokens = jnp.atleast_1d(token)[None]
+    positions = jnp.atleast_1d(position)[None]
+    drafts, logits = _draft_chains(params, cfg, hidden, tokens, positions, jnp.ones((1,), bool), k, keep_logits=True)
+    assert logits is not None
+    return drafts[0], logits[0]
+
+
+def _draft_chains(
+    params: Params,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    live: jax.Array,
+    k: int,
+    *,
+    keep_logits: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """k greedy drafts for each of S sequences from its T given rows (hidden [S, T, D],
+    tokens and positions [S, T], live [S]), all chains in the same products: (drafts [S, k]
+    int32, their float32 logits [S, k, V] or None). See `mtp_draft`."""
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
     if cfg.mtp_layers != 1:
-        raise ValueError(f"mtp_draft chains a one-layer head; this model's has {cfg.mtp_layers}")
-    hidden = jnp.atleast_2d(hidden_last)  # [T, D]
-    tokens = jnp.atleast_1d(token).astype(jnp.int32)  # [T]
-    positions = jnp.atleast_1d(position).astype(jnp.int32)  # [T]
-    T, D = hidden.shape
-    n = T + k - 1  # rows of the whole chain; row T - 1 + j yields draft j
-    # Later rows start as zeros: causal attention keeps them from the rows read so far, and
-    # each MLP row (routed experts included) depends on its own row only.
+        raise ValueError(f"drafts chain a one-layer head; this model's has {cfg.mtp_layers}")
+    S, T, D = hidden.shape
+    n = T + k - 1  # rows of a whole chain; row T - 1 + j yields draft j
+    # Later rows start as zeros and route no experts until they are filled: causal attention
+    # keeps them from the rows read so far, and each MLP row depends on its own row only.
     dt = _mtp(params, cfg).fc.dtype
-    hid_buf = jnp.zeros((n, D), dt).at[:T].set(hidden.astype(dt))
-    tok_buf = jnp.zeros((n,), jnp.int32).at[:T].set(tokens)
-    pos_buf = jnp.concatenate([positions, positions[-1] + 1 + jnp.arange(k - 1, dtype=jnp.int32)])
-    V = cfg.vocab_size
+    hid = jnp.zeros((S, n, D), dt).at[:, :T].set(hidden.astype(dt))
+    tok = jnp.zeros((S, n), jnp.int32).at[:, :T].set(tokens.astype(jnp.int32))
+    pos = positions.astype(jnp.int32)
+    pos = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(k - 1, dtype=jnp.int32)[None, :]], axis=1)
+    rows = jnp.arange(n)[None, :]
 
     def step(j, carry):
-        hid_buf, tok_buf, drafts, logits_out = carry
-        logits, head_hidden = mtp_forward(params, cfg, hid_buf, tok_buf, pos_buf)
+        hid, tok, drafts, logits_out = carry
         row = T - 1 + j
-        draft = jnp.argmax(logits[row]).astype(jnp.int32)
+        head = _head_rows(params, cfg, hid, tok, pos, live[:, None] & (rows <= row))
+        read = jax.lax.dynamic_index_in_dim(head, row, axis=1, keepdims=False)  # [S, D]
+        logits = lm_head(params, read)  # the vocabulary product for the row read only
+        draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         nxt = jnp.minimum(row + 1, n - 1)  # the last step writes nowhere new (k - 1 chain rows)
         write = row + 1 < n
-        hid_buf = jnp.where(write, hid_buf.at[nxt].set(head_hidden[row]), hid_buf)
-        tok_buf = jnp.where(write, tok_buf.at[nxt].set(draft), tok_buf)
-        return hid_buf, tok_buf, drafts.at[j].set(draft), logits_out.at[j].set(logits[row])
+        hid = jnp.where(write, hid.at[:, nxt].set(read), hid)
+        tok = jnp.where(write, tok.at[:, nxt].set(draft), tok)
+        if keep_logits:
+            logits_out = logits_out.at[:, j].set(logits)
+        return hid, tok, drafts.at[:, j].set(draft), logits_out
 
-    init = (hid_buf, tok_buf, jnp.zeros((k,), jnp.int32), jnp.zeros((k, V), jnp.float32))
-    _, _, drafts, logits = jax.lax.fori_loop(0, k, step, init)
-    return drafts, logits
+    logits0 = jnp.zeros((S, k, cfg.vocab_size) if keep_logits else (0,), jnp.float32)
+    _, _, drafts, logits = jax.lax.fori_loop(0, k, step, (hid, tok, jnp.zeros((S, k), jnp.int32), logits0))
+    return drafts, logits if keep_logits else None
 
 
 def mtp_draft_slots(
@@ -205,28 +229,7 @@ def mtp_draft_slots(
     Returns:
       draft tokens [S, k] int32 for positions p + 2 .. p + k + 1.
     """
-    if k < 1:
-        raise ValueError(f"k must be at least 1, got {k}")
-    if cfg.mtp_layers != 1:
-        raise ValueError(f"mtp_draft_slots chains a one-layer head; this model's has {cfg.mtp_layers}")
-    S, D = hidden.shape
-    dt = _mtp(params, cfg).fc.dtype
-    # Each chain's rows: the given one, then one per draft but the last (as `mtp_draft`).
-    hid = jnp.zeros((S, k, D), dt).at[:, 0].set(hidden.astype(dt))
-    tok = jnp.zeros((S, k), jnp.int32).at[:, 0].set(token.astype(jnp.int32))
-    pos = position.astype(jnp.int32)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    rows = jnp.arange(k)[None, :]
-
-    def step(j, carry):
-        hid, tok, drafts = carry
-        head = _head_rows(params, cfg, hid, tok, pos, live[:, None] & (rows <= j))  # rows past j wait
-        read = jax.lax.dynamic_index_in_dim(head, j, axis=1, keepdims=False)  # [S, D]
-        draft = jnp.argmax(lm_head(params, read), axis=-1).astype(jnp.int32)
-        nxt = jnp.minimum(j + 1, k - 1)  # the last step writes nowhere new
-        write = j + 1 < k
-        hid = jnp.where(write, hid.at[:, nxt].set(read), hid)
-        tok = jnp.where(write, tok.at[:, nxt].set(draft), tok)
-        return hid, tok, drafts.at[:, j].set(draft)
-
-    _, _, drafts = jax.lax.fori_loop(0, k, step, (hid, tok, jnp.zeros((S, k), jnp.int32)))
+    drafts, _ = _draft_chains(
+        params, cfg, hidden[:, None], token[:, None], position[:, None], live, k, keep_logits=False
+    )
     return drafts
