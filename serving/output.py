@@ -2,8 +2,8 @@
 
 The worker appends frames to a request's `Output` during a round and `flush`es once per
 round: one `loop.call_soon_threadsafe` per request per round, not one per token (the GIL is
-shared). The handler awaits `next_frames()`; if its client goes away it calls `cancel()`,
-which the worker sees at its next round.
+shared). The handler awaits `next_frames()`, writes them and marks them `sent()`; if its client
+goes away it calls `cancel()`, which the worker sees at its next round.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 from typing import Any
 
@@ -59,6 +60,9 @@ class Output:
         self._buffer: list[Frame] = []
         self.cancelled = False
         self.closed = False  # the worker sent its last frame
+        self._sent = threading.Event()  # the handler has written every flushed frame
+        self._sent.set()
+        self._handler_gone = False
 
     # worker side
     def add(self, frame: Frame) -> None:
@@ -69,14 +73,30 @@ class Output:
     def flush(self) -> None:
         if self._buffer:
             frames, self._buffer = self._buffer, []
+            if not self._handler_gone:
+                self._sent.clear()
             try:
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, frames)
             except RuntimeError:  # the loop is closed: the server is stopping
-                pass
+                self._sent.set()
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Blocks (without the GIL) until the handler has written what was flushed."""
+        return self._sent.wait(timeout)
 
     # handler side
     async def next_frames(self) -> list[Frame]:
         return await self._queue.get()
+
+    def sent(self) -> None:
+        """The handler wrote the frames it took (to the socket, or into its response)."""
+        if self._queue.empty():
+            self._sent.set()
+
+    def handler_gone(self) -> None:
+        """The handler returned: nothing flushed from now on is waited for."""
+        self._handler_gone = True
+        self._sent.set()
 
     def cancel(self) -> None:
         self.cancelled = True

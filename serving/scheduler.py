@@ -56,6 +56,10 @@ from serving.settings import SettingsStore
 
 log = logging.getLogger("jaxllm.serve")
 
+# How long the worker waits for first tokens to reach the socket before its next launch: the
+# interpreter's switch interval, after which the event loop would have had the GIL anyway.
+_FIRST_TOKEN_SEND_SECONDS = 0.005
+
 
 class LaunchedLike(Protocol):
     """A launched round as the scheduler reads it: what the engine planned."""
@@ -307,8 +311,9 @@ class Scheduler:
             # only when the device has nearly run it (a call's thousands of kernels fill the
             # CUDA launch queue; benchmarks/pipeline_check.py), so launching first would hold
             # every first token back by a whole decode call.
-            self._finish(self._in_flight)
-            self._in_flight = None
+            prompt_round, self._in_flight = self._in_flight, None
+            self._finish(prompt_round)
+            self._send_first_tokens(prompt_round)
             self._flush_outputs()  # out now, not after the next launch returns
         launched = self._launch() if self.active else None
         if self._in_flight is not None:
@@ -324,6 +329,20 @@ class Scheduler:
     def _flush_outputs(self) -> None:
         for a in self.active:
             a.job.output.flush()
+
+    def _send_first_tokens(self, r: InFlight) -> None:
+        """Flushes the streams whose first token a prompt round produced and waits (a few ms at
+        most, the GIL released) until their handlers have written them. The worker's next
+        launch is host work holding the GIL, so the event loop would otherwise wait out
+        Python's 5 ms switch interval before writing; the device is idle meanwhile anyway
+        (the prompt round was collected and nothing is launched)."""
+        firsts = [a.job.output for a in r.prefillers if a.first_token is not None and a.job.prepared.stream]
+        for output in firsts:
+            output.flush()
+        deadline = time.monotonic() + _FIRST_TOKEN_SEND_SECONDS
+        for output in firsts:
+            if not output.wait_sent(max(0.0, deadline - time.monotonic())):
+                return
 
     def _intake(self, *, block: bool) -> None:
         try:

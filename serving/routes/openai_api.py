@@ -104,6 +104,7 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
             return await _stream(request, output, fmt, frames, headers)
         return await _collect(output, fmt, frames, headers)
     finally:
+        output.handler_gone()
         if not output.closed:
             output.cancel()
 
@@ -122,6 +123,7 @@ async def _stream(request: Request, output: Output, fmt: Formatter, frames: list
                 await resp.send(sse("[DONE]"))
                 await resp.eof()
                 return
+        output.sent()
         frames = await output.next_frames()
 
 

@@ -197,7 +197,7 @@ def make(limits: Limits, engine: FakeEngine | None = None):
     return sched, engine, clock
 
 
-def job(sched, loop, name: str, prompt_len: int = 4, max_tokens: int = 3, reservation: int = 10, stop=()):
+def job(sched, loop, name: str, prompt_len: int = 4, max_tokens: int = 3, reservation: int = 10, stop=(), stream=False):
     prepared = Prepared(
         kind="completion",
         model="m",
@@ -205,6 +205,7 @@ def job(sched, loop, name: str, prompt_len: int = 4, max_tokens: int = 3, reserv
         boundaries=[],
         params=[SamplingParams(max_tokens=max_tokens)],
         stop=stop,
+        stream=stream,
     )
     j = Job(
         id=name,
@@ -270,6 +271,34 @@ def test_rounds_are_pipelined_and_tokens_past_a_stop_are_dropped(loop):
     # Choice 0's stop string appeared while a round with its next token was in flight: that
     # token is dropped, not published or counted.
     assert fs[-1].usage["completion_tokens"] == 3 + 6
+
+
+def test_a_streamed_first_token_is_written_before_the_next_launch():
+    """The worker's next launch is host work holding the GIL, so the event loop could write a
+    first token only after it: the worker waits (GIL released) until the handler wrote it.
+    The handler here takes 2 ms to write, inside the worker's 5 ms bound."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        sched, engine, _ = make(Limits())
+        j = job(sched, loop, "a", prompt_len=4, max_tokens=4, stream=True)
+        written: list[int] = []  # launches made when the handler wrote its first frames
+
+        async def handler():
+            await j.output.next_frames()
+            await asyncio.sleep(0.002)
+            written.append(engine.calls.count("launch"))
+            j.output.sent()
+
+        writing = asyncio.run_coroutine_threadsafe(handler(), loop)
+        run_until_idle(sched)
+        writing.result(timeout=5)
+        assert written == [1]  # only the prompt round had launched
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
 
 def test_round_time_counts_a_launch_that_blocks(loop):
