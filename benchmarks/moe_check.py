@@ -201,6 +201,22 @@ PREFILL_SWEEP = [
 ]
 
 
+# Blocks of 128 rows (every expert's rows of a 2k-token round in one block, so its weights are
+# read once, not once per 64-row block): narrower gate/up tiles keep the two float32
+# accumulators (128 x block_n each) in registers.
+PREFILL128_SWEEP = [
+    (("num_warps", 8),),
+    (("gu_block_n", 64), ("num_warps", 8)),
+    (("gu_block_n", 32), ("num_warps", 8)),
+    (("gu_block_n", 64), ("num_warps", 8), ("num_stages", 2)),
+    (("gu_block_n", 64), ("gu_block_k", 32), ("num_warps", 8)),
+    (("gu_block_n", 64), ("dn_block_n", 128), ("num_warps", 8)),
+    (("gu_block_n", 64), ("dn_block_n", 64), ("dn_block_k", 32), ("num_warps", 8)),
+    (("gu_block_n", 32), ("dn_block_n", 64), ("num_warps", 4)),
+]
+SWEEP_SETS = {"decode": SWEEP, "prefill": PREFILL_SWEEP, "prefill128": PREFILL128_SWEEP}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3-30b-a3b,qwen3.5-35b-a3b")
@@ -211,10 +227,10 @@ def main() -> None:
     ap.add_argument(
         "--sweep", default="", help="sweep the configs at these 'variant:tokens' (e.g. pairs:1,grouped16:64)"
     )
-    ap.add_argument("--sweep-set", choices=("decode", "prefill"), default="decode", help="SWEEP or PREFILL_SWEEP")
+    ap.add_argument("--sweep-set", choices=tuple(SWEEP_SETS), default="decode", help="which configs --sweep tries")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    sweep_configs = SWEEP if args.sweep_set == "decode" else PREFILL_SWEEP
+    sweep_configs = SWEEP_SETS[args.sweep_set]
     results: list[dict] = []
 
     def record(**row):

@@ -158,6 +158,18 @@ def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int) -> Blocks:
     )
 
 
+def _without_absent_refs(kernel, present: list[bool]):
+    """The kernel called with None in place of each absent input (a pallas_call takes arrays
+    only; e.g. the pairs layout has no row map)."""
+
+    def call(*refs):
+        it = iter(refs)
+        inputs = [next(it) if here else None for here in present]
+        return kernel(*inputs, *it)
+
+    return call
+
+
 def _row_tile(b, rows_per_block: int, row_div: int, bm: int, n_rows: int):
     """The first input row of block b, and which of its `bm`-row tile's rows are live."""
     row0 = (b * rows_per_block) // row_div if row_div > 1 else b * rows_per_block
@@ -168,6 +180,7 @@ def _row_tile(b, rows_per_block: int, row_div: int, bm: int, n_rows: int):
 def _gate_up_kernel(
     be_ref,
     used_ref,
+    rows_ref,
     x_ref,
     wg_ref,
     wu_ref,
@@ -189,11 +202,17 @@ def _gate_up_kernel(
         n0 = pl.multiple_of(n * block_n, block_n)
         row0, live = _row_tile(b, rows_per_block, row_div, bm, x_ref.shape[0])
         masked = rows_per_block < bm
+        # Grouped blocks read their tokens' rows of x in place (a gather load), not from a
+        # copy of x laid out by block: that copy is a block-padded [rows, D] array written
+        # and read once per column tile (2k-token rounds: ~130 MB a layer).
+        tokens = None if rows_ref is None else rows_ref[pl.ds(row0, bm)]
 
         def body(i, accs):
             k0 = pl.multiple_of(i * block_k, block_k)
             cols = pl.ds(k0, block_k)
-            if masked:
+            if tokens is not None:
+                xt = x_ref[tokens, cols]
+            elif masked:
                 xt = plgpu.load(x_ref.at[pl.ds(row0, bm), cols], mask=live[:, None], other=0)
             else:
                 xt = x_ref[pl.ds(row0, bm), cols]
@@ -332,11 +351,9 @@ def moe_ffn(
     cfg.update(dict(_config))
     if layout == "pairs":
         blocks = pair_blocks(top_e)
-        x_in = x
         row_w = top_w.reshape(-1).astype(jnp.float32)
     else:  # grouped
         blocks = grouped_blocks(top_e, E, bm)
-        x_in = x[blocks.rows]  # [n_blocks * bm, D], grouped by expert
         row_w = (
             jnp.zeros((blocks.n_blocks * bm,), jnp.float32)
             .at[blocks.out_row]
@@ -350,21 +367,23 @@ def moe_ffn(
     # float32 dots would otherwise run as TF32 on the GPU (~1e-3 relative error).
     precision = lax.Precision.HIGHEST if w_gate.dtype == jnp.float32 else None
     params = compiler_params(interpret=interpret, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    x_in = x_in.astype(w_gate.dtype)
     common = dict(rows_per_block=blocks.rows_per_block, bm=bm, precision=precision)
 
     h_shape = jax.ShapeDtypeStruct((n_rows, F), w_gate.dtype)
-    args = (blocks.block_expert, blocks.used, x_in, w_gate, w_up)
+    gate_up_args = (blocks.block_expert, blocks.used, blocks.rows, x.astype(w_gate.dtype), w_gate, w_up)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, D=D, block_k=gu_bk, block_n=gu_bn, row_div=blocks.row_div, **common),
+        _without_absent_refs(
+            functools.partial(_gate_up_kernel, D=D, block_k=gu_bk, block_n=gu_bn, row_div=blocks.row_div, **common),
+            present=[a is not None for a in gate_up_args],
+        ),
         grid=(blocks.n_blocks, F // gu_bn),
-        in_specs=[whole_block(a) for a in args],
+        in_specs=[whole_block(a) for a in gate_up_args if a is not None],
         out_specs=whole_block(h_shape),
         out_shape=h_shape,
         interpret=interpret,
         compiler_params=params,
         name="moe_gate_up",
-    )(*args)
+    )(*(a for a in gate_up_args if a is not None))
 
     o_shape = jax.ShapeDtypeStruct((n_rows, D), x.dtype)
     args = (blocks.block_expert, blocks.used, h, w_down, row_w)
