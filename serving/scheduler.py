@@ -59,6 +59,7 @@ log = logging.getLogger("jaxllm.serve")
 # How long the worker waits for first tokens to reach the socket before its next launch: the
 # interpreter's switch interval, after which the event loop would have had the GIL anyway.
 _FIRST_TOKEN_SEND_SECONDS = 0.005
+_FIRST_TOKEN_SEND_SECONDS_UNDER_LOAD = 0.001  # when other sequences' tokens wait on the device too
 
 
 class LaunchedLike(Protocol):
@@ -334,12 +335,14 @@ class Scheduler:
         """Flushes the streams whose first token a prompt round produced and waits (a few ms at
         most, the GIL released) until their handlers have written them. The worker's next
         launch is host work holding the GIL, so the event loop would otherwise wait out
-        Python's 5 ms switch interval before writing; the device is idle meanwhile anyway
-        (the prompt round was collected and nothing is launched)."""
+        Python's 5 ms switch interval before writing. The device idles meanwhile (the prompt
+        round was collected, nothing is launched), so where other sequences decode beside the
+        new ones the wait is shorter."""
         firsts = [a.job.output for a in r.prefillers if a.first_token is not None and a.job.prepared.stream]
         for output in firsts:
             output.flush()
-        deadline = time.monotonic() + _FIRST_TOKEN_SEND_SECONDS
+        alone = all(any(a is p for p in r.prefillers) for a, _ in r.members)
+        deadline = time.monotonic() + (_FIRST_TOKEN_SEND_SECONDS if alone else _FIRST_TOKEN_SEND_SECONDS_UNDER_LOAD)
         for output in firsts:
             if not output.wait_sent(max(0.0, deadline - time.monotonic())):
                 return
