@@ -155,20 +155,26 @@ def _round(
         lengths = lengths.at[chunk_end].set(last_position + 1, mode="drop")
     seen = state.seen.at[batch.slots, batch.tokens].set(True, mode="drop")
 
-    logits = lm_head(params, hidden[sample_row], kernel=matmul_kernel(opts, B))
+    # A round without prompt chunks draws for its decode part alone: the slots past it draw
+    # nothing, and the sampler's [rows, V] passes (penalties, bias, noise) cost per row.
+    n_draw = Wd if not chunk.seg_slot.shape[0] else B
+    part = lambda a: a[:n_draw]  # noqa: E731
+    logits = lm_head(params, hidden[sample_row[:n_draw]], kernel=matmul_kernel(opts, n_draw))
     draw = sample(
         logits,
-        state.sampling,
-        seen,
-        state.out_counts,
-        state.n_generated,
-        lengths,
+        jax.tree.map(part, state.sampling),
+        part(seen),
+        part(state.out_counts),
+        part(state.n_generated),
+        part(lengths),
         inputs.want_top,
-        token_mask=inputs.token_mask,
-        constrained=inputs.constrained,
+        token_mask=part(inputs.token_mask),
+        constrained=part(inputs.constrained),
         branches=sampler_branches(opts),
         full=full_sampler,
     )
+    if n_draw < B:
+        draw = jax.tree.map(lambda a: jnp.pad(a, [(0, B - n_draw)] + [(0, 0)] * (a.ndim - 1)), draw)
     tokens = jnp.where(sampled, draw.tokens, state.last_token)
     n_generated = state.n_generated + sampled
     out_counts = state.out_counts.at[jnp.where(sampled, rows, B), tokens].add(1, mode="drop")
