@@ -1,15 +1,17 @@
 """Prompt-lookup drafts on the default model (CPU): decode tok/s with and without drafts.
 
-    JAX_PLATFORMS=cpu python -m benchmarks.spec_cpu [--drafts 4] [--max-tokens 128]
+    JAX_PLATFORMS=cpu python -m benchmarks.spec_cpu [--drafts 4] [--max-tokens 128] [--slots 8]
 
 Two workloads, one request at a time, greedy: an edit (repeat a given paragraph, the text
 drafts come from) and an open-ended chat question. Each request runs once to compile, then
-is timed; the tokens with and without drafts must be equal (drafts never change them).
+is timed; the tokens with and without drafts must be equal (drafts never change them). The
+engine has the default server's 8 slots and one-row decode part (`--slots 1`: a lone slot).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from jaxllm.api import load
@@ -43,10 +45,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=8)
     args = ap.parse_args()
     model = load("smollm2")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    engines = {k: model.engine(EngineConfig(max_slots=1, max_seq_len=1024, max_drafts=k)) for k in (0, args.drafts)}
+    config = EngineConfig(max_slots=args.slots, max_seq_len=1024, decode_widths=(1,))
+    engines = {k: model.engine(dataclasses.replace(config, max_drafts=k)) for k in (0, args.drafts)}
     for name, text in WORKLOADS.items():
         prompt = model.chat_ids([{"role": "user", "content": text}])
         rates, outputs = {}, {}

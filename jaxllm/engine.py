@@ -132,6 +132,11 @@ class EngineConfig:
         """The decode widths a round with a prompt chunk can have."""
         return tuple(w for w in self.widths() if w >= min(self.chunk_decode_width, self.max_slots))
 
+    def verify_widths(self) -> tuple[int, ...]:
+        """The widths a verification round can have: the smallest decode width (a lone
+        sequence's rounds, where drafts pay most) and every slot; each one compiles."""
+        return tuple(sorted({self.widths()[0], self.max_slots}))
+
 
 @dataclasses.dataclass
 class Sequence:
@@ -596,23 +601,23 @@ class Engine:
                     )
                 )
             samplers = (True, False) if plain_sampler_pays(self.options) else (True,)
-            if self.config.max_drafts and width == self.config.widths()[-1]:  # verify rounds span every slot
-                for full in samplers:
-                    out.append(
-                        (
-                            ("verify", self.config.max_drafts, ctx, full),
-                            lambda ctx=ctx, full=full: steps.verify.lower(
-                                self.params,
-                                self.state,
-                                idle,
-                                self._no_drafts(),
-                                cfg=self.cfg,
-                                opts=self.options,
-                                n_ctx_pages=ctx,
-                                full_sampler=full,
-                            ),
-                        )
+            for full in samplers if self.config.max_drafts and width in self.config.verify_widths() else ():
+                out.append(
+                    (
+                        ("verify", self.config.max_drafts, ctx, width, full),
+                        lambda ctx=ctx, width=width, full=full: steps.verify.lower(
+                            self.params,
+                            self.state,
+                            idle,
+                            self._no_drafts(),
+                            cfg=self.cfg,
+                            opts=self.options,
+                            n_ctx_pages=ctx,
+                            decode_width=width,
+                            full_sampler=full,
+                        ),
                     )
+                )
             for full in samplers if n > 1 else ():
                 out.append(
                     (
@@ -908,12 +913,22 @@ class Engine:
         ctx = self._ctx_pages(max(s.position_bound for s in decoding) + 1)
         full = not plain_sampler_pays(self.options) or any(needs_full_sampler(s.params) for s in decoding)
         d = steps.Drafts(tokens=tokens, count=count)
-        compiled = self._compiled.get(("verify", K, ctx, full))
+        top = max((s.slot for s in decoding), default=-1) + 1
+        width = next(w for w in self.config.verify_widths() if w >= top)
+        compiled = self._compiled.get(("verify", K, ctx, width, full))
         if compiled is not None:
             self.state, out = compiled(self.params, self.state, inputs, d)
         else:
             self.state, out = steps.verify(
-                self.params, self.state, inputs, d, cfg=self.cfg, opts=self.options, n_ctx_pages=ctx, full_sampler=full
+                self.params,
+                self.state,
+                inputs,
+                d,
+                cfg=self.cfg,
+                opts=self.options,
+                n_ctx_pages=ctx,
+                decode_width=width,
+                full_sampler=full,
             )
         return Round(
             output=out,

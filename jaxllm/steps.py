@@ -380,6 +380,7 @@ def _verify_round(
     cfg: ModelConfig,
     opts: RuntimeOptions,
     n_ctx_pages: int,
+    decode_width: int,
     full_sampler: bool,
 ) -> tuple[DecodeState, StepOutput]:
     """Feeds each decoding slot its last token and its drafts, samples every position with the
@@ -397,18 +398,26 @@ def _verify_round(
     overwritten later); linear-attention layers keep their state after each fed token and
     take the one at the accepted length.
 
+    Only slots [0, decode_width) take part (as in a decode call, the engine's smallest width
+    covering its decoding slots): the forward, lm_head and sampler run on their rows alone.
+
     Returns the state and a StepOutput stacked on a leading [K + 1] axis, step j holding the
     (j + 1)-th emitted token of each slot (`sampled` false past a slot's last one), the
     layout of `decode_steps`.
     """
     B = state.lengths.shape[0]
+    Wd = decode_width
     K = drafts.tokens.shape[1]
     Tw = K + 1
-    rows = jnp.arange(B)
-    decoding = inputs.decode_mask & ~state.done & ~inputs.constrained
-    n = jnp.where(decoding, jnp.clip(drafts.count, 0, K), 0)
-    fed = jnp.concatenate([state.last_token[:, None], drafts.tokens], axis=1)  # [B, Tw]
-    at = state.lengths[:, None] + jnp.arange(Tw)[None, :]
+    part = lambda a: a[:Wd]  # noqa: E731 - the rows of the verifying part
+    to_all = lambda a: jnp.pad(a, [(0, B - Wd)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731 - back to every slot
+    rows = jnp.arange(Wd)
+    lengths0, last_token0, n_generated0 = part(state.lengths), part(state.last_token), part(state.n_generated)
+    decoding = part(inputs.decode_mask) & ~part(state.done) & ~part(inputs.constrained)
+    n = jnp.where(decoding, jnp.clip(part(drafts.count), 0, K), 0)
+    d_tokens = part(drafts.tokens)
+    fed = jnp.concatenate([last_token0[:, None], d_tokens], axis=1)  # [Wd, Tw]
+    at = lengths0[:, None] + jnp.arange(Tw)[None, :]
     valid = decoding[:, None] & (jnp.arange(Tw)[None, :] <= n[:, None])
     none = jnp.zeros((0,), jnp.int32)
     batch = TokenBatch(
@@ -436,52 +445,51 @@ def _verify_round(
             params, cfg, batch, state.kv, state.page_table, opts=opts, chunk_len=Tw, n_ctx_pages=n_ctx_pages
         )
         snapshots = None
-    logits = lm_head(params, hidden, kernel=matmul_kernel(opts, B * Tw)).reshape(B, Tw, -1)
+    logits = lm_head(params, hidden, kernel=matmul_kernel(opts, Wd * Tw)).reshape(Wd, Tw, -1)
 
     # Position j draws the token after fed[:, j]; the earlier drafts count as generated tokens
     # there (penalties, min_tokens, max_tokens), as they would be had decoding produced them.
     # So do the research samplers' state (mirostat's μ after the previous draw, the history
     # DRY and logits processors read): a draw sees the state decoding would have given it.
-    seen = state.seen.at[jnp.where(decoding, rows, B), state.last_token].set(True, mode="drop")
-    out_counts = state.out_counts
-    sampling = state.sampling
+    seen = part(state.seen).at[jnp.where(decoding, rows, Wd), last_token0].set(True, mode="drop")
+    out_counts = part(state.out_counts)
+    sampling = jax.tree.map(part, state.sampling)
     draws: list[Sampled] = []
     stops: list[jax.Array] = []
     for j in range(Tw):
         if j:
-            d = drafts.tokens[:, j - 1]
+            d = d_tokens[:, j - 1]
             live = decoding & (j <= n)
-            seen = seen.at[jnp.where(live, rows, B), d].set(True, mode="drop")
-            out_counts = out_counts.at[jnp.where(live, rows, B), d].add(1, mode="drop")
+            seen = seen.at[jnp.where(live, rows, Wd), d].set(True, mode="drop")
+            out_counts = out_counts.at[jnp.where(live, rows, Wd), d].add(1, mode="drop")
             if sampling.extra is not None:
-                extra = samplers_extra.after_round(sampling.extra, draws[-1].extra, d, state.lengths + j, live)
+                extra = samplers_extra.after_round(sampling.extra, draws[-1].extra, d, lengths0 + j, live)
                 sampling = sampling.replace(extra=extra)
         draw = sample(
             logits[:, j],
             sampling,
             seen,
             out_counts,
-            state.n_generated + j,
-            state.lengths + j + 1,
+            n_generated0 + j,
+            lengths0 + j + 1,
             inputs.want_top,
             branches=sampler_branches(opts),
             full=full_sampler,
         )
         draws.append(draw)
-        stops.append(
-            state.sampling.stop_mask[rows, draw.tokens] | (state.n_generated + j + 1 >= state.sampling.max_tokens)
-        )
-    tokens = jnp.stack([d.tokens for d in draws], axis=1)  # [B, Tw]
+        stops.append(sampling.stop_mask[rows, draw.tokens] | (n_generated0 + j + 1 >= sampling.max_tokens))
+    tokens = jnp.stack([d.tokens for d in draws], axis=1)  # [Wd, Tw]
     stop = jnp.stack(stops, axis=1)
     # Emitted: tokens up to the first that disagrees with its draft, stops, or has no draft.
-    agrees = (tokens[:, :K] == drafts.tokens) & (jnp.arange(K)[None, :] < n[:, None]) & ~stop[:, :K]
-    emitted = jnp.where(decoding, 1 + jnp.sum(jnp.cumprod(agrees, axis=1), axis=1), 0).astype(jnp.int32)  # [B]
+    agrees = (tokens[:, :K] == d_tokens) & (jnp.arange(K)[None, :] < n[:, None]) & ~stop[:, :K]
+    emitted = jnp.where(decoding, 1 + jnp.sum(jnp.cumprod(agrees, axis=1), axis=1), 0).astype(jnp.int32)  # [Wd]
     last = jnp.maximum(emitted - 1, 0)
-    sampled = decoding[:, None] & (jnp.arange(Tw)[None, :] < emitted[:, None])  # [B, Tw]
+    sampled = decoding[:, None] & (jnp.arange(Tw)[None, :] < emitted[:, None])  # [Wd, Tw]
 
-    new_last = jnp.where(decoding, tokens[rows, last], state.last_token)
+    new_last = jnp.where(decoding, tokens[rows, last], last_token0)
     finished = stop[rows, last]
-    done = jnp.where(decoding, finished, state.done)
+    decoding_all = to_all(decoding)
+    done = jnp.where(decoding_all, to_all(finished), state.done)
     # The state of decoding without drafts after `emitted` steps: every emitted token but the
     # last was fed (and seen), every emitted token counted.
     kept_fed = valid & (jnp.arange(Tw)[None, :] < emitted[:, None])
@@ -492,13 +500,14 @@ def _verify_round(
         recurrent = snapshots.keep(recurrent, jnp.maximum(emitted, 1))
     sampling = state.sampling
     if sampling.extra is not None:
-        sampling = sampling.replace(extra=_extra_after_verify(sampling.extra, draws, tokens, state.lengths, sampled))
+        verified = _extra_after_verify(jax.tree.map(part, sampling.extra), draws, tokens, lengths0, sampled)
+        sampling = sampling.replace(extra=jax.tree.map(lambda a, p: a.at[:Wd].set(p), sampling.extra, verified))
     new_state = state.replace(
         kv=kv,
         recurrent=recurrent,
-        lengths=state.lengths + emitted,
-        last_token=new_last,
-        n_generated=state.n_generated + emitted,
+        lengths=state.lengths + to_all(emitted),
+        last_token=jnp.where(decoding_all, to_all(new_last), state.last_token),
+        n_generated=state.n_generated + to_all(emitted),
         done=done,
         seen=seen,
         out_counts=out_counts,
@@ -508,18 +517,20 @@ def _verify_round(
     if params.mtp is not None and cfg.mtp_layers:
         # The head drafts what follows the token just sampled, from the hidden state that
         # sampled it (the accepted position's), for the slot's next verification round.
-        h_last = hidden.reshape(B, Tw, -1)[rows, last]
-        next_drafts = mtp_draft_slots(params, cfg, h_last, new_last, state.lengths + last, decoding, K)
+        h_last = hidden.reshape(Wd, Tw, -1)[rows, last]
+        next_drafts = to_all(mtp_draft_slots(params, cfg, h_last, new_last, lengths0 + last, decoding, K))
     steps_axis = jnp.arange(Tw)[:, None]
+    by_step = lambda xs: to_all(jnp.stack(xs, axis=1)).swapaxes(0, 1)  # noqa: E731 - [Wd, ...] per step -> [Tw, B, ...]
+    sampled_all = by_step([sampled[:, j] for j in range(Tw)])
     out = StepOutput(
-        tokens=tokens.T,
-        logprob=jnp.stack([d.logprob for d in draws]),
-        top_ids=jnp.stack([d.top_ids for d in draws]),
-        top_logprobs=jnp.stack([d.top_logprobs for d in draws]),
-        sampled=sampled.T,
-        done=(steps_axis == last[None, :]) & done[None, :] & sampled.T,
+        tokens=by_step([d.tokens for d in draws]),
+        logprob=by_step([d.logprob for d in draws]),
+        top_ids=by_step([d.top_ids for d in draws]),
+        top_logprobs=by_step([d.top_logprobs for d in draws]),
+        sampled=sampled_all,
+        done=(steps_axis == to_all(last)[None, :]) & done[None, :] & sampled_all,
         expert_tokens=jnp.zeros((Tw, *experts.shape), experts.dtype).at[0].set(experts),
-        entropy=None if draws[0].entropy is None else jnp.stack([d.entropy for d in draws]),
+        entropy=None if draws[0].entropy is None else by_step([d.entropy for d in draws]),
         next_drafts=next_drafts,
     )
     return new_state, out
@@ -545,7 +556,9 @@ def _extra_after_verify(
     return before.replace(mu=mu, history=history)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "n_ctx_pages", "full_sampler"), donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "opts", "n_ctx_pages", "decode_width", "full_sampler"), donate_argnames=("state",)
+)
 def verify(
     params: Params,
     state: DecodeState,
@@ -555,10 +568,20 @@ def verify(
     cfg: ModelConfig,
     opts: RuntimeOptions,
     n_ctx_pages: int,
+    decode_width: int,
     full_sampler: bool = True,
 ) -> tuple[DecodeState, StepOutput]:
-    """One speculative round: every `inputs.decode_mask` slot verifies its drafts (see
-    `_verify_round`); constrained slots take no part (their masks need the host per token)."""
+    """One speculative round: every `inputs.decode_mask` slot (all below `decode_width`)
+    verifies its drafts (see `_verify_round`); constrained slots take no part (their masks
+    need the host per token)."""
     return _verify_round(
-        params, state, inputs, drafts, cfg=cfg, opts=opts, n_ctx_pages=n_ctx_pages, full_sampler=full_sampler
+        params,
+        state,
+        inputs,
+        drafts,
+        cfg=cfg,
+        opts=opts,
+        n_ctx_pages=n_ctx_pages,
+        decode_width=decode_width,
+        full_sampler=full_sampler,
     )
