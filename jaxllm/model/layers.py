@@ -140,7 +140,8 @@ def moe_mlp(
       x: [T, D] activations.
       p: one layer's MoE params.
       cfg: config (experts, top-k, normalisation).
-      valid: [T] bool, False for padding tokens (they are routed but not counted).
+      valid: [T] bool, False for padding tokens: routed but not counted, their output rows
+        zeros (the kernels' grouped layout runs no expert for them).
       kernel: "pallas" / "interpret" run the experts through `jaxllm.model.moe_kernels` (which
         read only routed experts' weights), None through `jax.lax.ragged_dot` (on CUDA, XLA
         makes that a dense dot over every expert); "auto" picks (`moe_kernel`).
@@ -166,7 +167,7 @@ def moe_mlp(
         expert_tokens = expert_counts(top_e, valid, E)
     kernel = moe_kernel(x.dtype, D, p.w_gate.shape[-1]) if kernel == "auto" else kernel
     if kernel is not None:
-        out = moe_ffn(x, top_e, top_w, p.w_gate, p.w_up, p.w_down, interpret=kernel == "interpret")
+        out = moe_ffn(x, top_e, top_w, p.w_gate, p.w_up, p.w_down, valid=valid, interpret=kernel == "interpret")
         return out, expert_tokens
     flat_e = top_e.reshape(-1)  # [T*k]
     order = jnp.argsort(flat_e, stable=True)
@@ -176,6 +177,6 @@ def moe_mlp(
     gate = jax.lax.ragged_dot(x_sorted, p.w_gate, group_sizes)
     up = jax.lax.ragged_dot(x_sorted, p.w_up, group_sizes)
     out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p.w_down, group_sizes)  # [T*k, D]
-    weights = top_w.reshape(-1)[order].astype(out_sorted.dtype)
+    weights = jnp.where(jnp.repeat(valid, k), top_w.reshape(-1), 0)[order].astype(out_sorted.dtype)
     out = jnp.zeros((T, D), out_sorted.dtype).at[token_of].add(out_sorted * weights[:, None])
     return out.astype(x.dtype), expert_tokens

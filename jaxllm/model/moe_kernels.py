@@ -120,27 +120,36 @@ def pair_blocks(top_e: jax.Array) -> Blocks:
     return Blocks(None, flat, jnp.full((1,), T * k, jnp.int32), None, rows_per_block=1, row_div=k, n_blocks=T * k)
 
 
-def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int) -> Blocks:
+def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int, valid: jax.Array | None = None) -> Blocks:
     """Pairs sorted by expert, each expert's rows padded to a multiple of block_m.
 
     The number of blocks is bounded statically: sum_e ceil(n_e / block_m) <=
     (P + min(E, P) * (block_m - 1)) / block_m for P pairs; blocks past the ones in use are
     skipped by the kernels. Padding rows read token 0 and are never gathered back.
+
+    Tokens with `valid` False ([T] bool; a round's padding rows, its idle decode slots) get no
+    rows at all: routed like the others, they would read experts nobody needs (a 64-wide
+    decode part with 16 live slots routed 48 idle rows). Their pairs' `out_row` is past the
+    last kernel row (`n_blocks * block_m`).
     """
     T, k = top_e.shape
     P, E = T * k, n_experts
     flat = top_e.reshape(-1).astype(jnp.int32)
+    if valid is not None:  # idle pairs go to a virtual expert E that gets no blocks
+        flat = jnp.where(jnp.repeat(valid, k), flat, E)
     n_blocks = -(-(P + min(E, P) * (block_m - 1)) // block_m)
-    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
-    n_exp_blocks = (sizes + block_m - 1) // block_m
+    sizes = jnp.zeros((E + 1,), jnp.int32).at[flat].add(1)
+    n_exp_blocks = ((sizes + block_m - 1) // block_m).at[E].set(0)
     block_end = jnp.cumsum(n_exp_blocks)
-    first_row = (block_end - n_exp_blocks) * block_m  # [E] each expert's first kernel row
+    first_row = (block_end - n_exp_blocks) * block_m  # [E + 1] each expert's first kernel row
+    first_row = first_row.at[E].set(n_blocks * block_m)  # idle pairs: past every kernel row
     order = jnp.argsort(flat, stable=True)  # sorted position -> pair
     sorted_e = flat[order]
     group_start = jnp.cumsum(sizes) - sizes
     row_of_sorted = first_row[sorted_e] + jnp.arange(P, dtype=jnp.int32) - group_start[sorted_e]
     out_row = jnp.zeros((P,), jnp.int32).at[order].set(row_of_sorted)
-    rows = jnp.zeros((n_blocks * block_m,), jnp.int32).at[row_of_sorted].set(order // k)
+    rows = jnp.zeros((n_blocks * block_m,), jnp.int32).at[row_of_sorted].set(order // k, mode="drop")
+    block_end = block_end[:E]
     # "compare_all": one fusion. The default bisection is a while loop, and each trip of a
     # while loop on the GPU waits for its predicate on the host (docs/lab/moe-h200.md).
     block_expert = jnp.searchsorted(
@@ -310,6 +319,7 @@ def moe_ffn(
     w_up: jax.Array,
     w_down: jax.Array,
     *,
+    valid: jax.Array | None = None,
     interpret: bool = False,
     _layout: str | None = None,
     _block_m: int | None = None,
@@ -322,6 +332,8 @@ def moe_ffn(
       top_e: [T, k] int32 experts of each token.
       top_w: [T, k] routing weights (already normalised as the model wants).
       w_gate, w_up: [E, D, F]; w_down: [E, F, D], x's dtype.
+      valid: [T] bool, tokens that count (default all); the grouped layout computes nothing
+        for the others, whose output rows are zeros.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
 
     The underscored knobs are for tests and `benchmarks/moe_check.py`'s sweeps, not part of
@@ -353,11 +365,11 @@ def moe_ffn(
         blocks = pair_blocks(top_e)
         row_w = top_w.reshape(-1).astype(jnp.float32)
     else:  # grouped
-        blocks = grouped_blocks(top_e, E, bm)
+        blocks = grouped_blocks(top_e, E, bm, valid)
         row_w = (
             jnp.zeros((blocks.n_blocks * bm,), jnp.float32)
             .at[blocks.out_row]
-            .set(top_w.reshape(-1).astype(jnp.float32))
+            .set(top_w.reshape(-1).astype(jnp.float32), mode="drop")
         )
     n_rows = blocks.n_blocks * blocks.rows_per_block
     gu_bk, gu_bn = _pow2_block(D, cfg["gu_block_k"]), _pow2_block(F, cfg["gu_block_n"])
@@ -398,5 +410,8 @@ def moe_ffn(
         name="moe_down",
     )(*args)
     if blocks.out_row is not None:
-        y = y[blocks.out_row]  # [T * k, D] in (token, slot) order
-    return y.reshape(T, k, D).astype(jnp.float32).sum(axis=1).astype(x.dtype)
+        y = y[jnp.minimum(blocks.out_row, n_rows - 1)]  # [T * k, D] in (token, slot) order
+    y = y.reshape(T, k, D).astype(jnp.float32)
+    if valid is not None:  # an idle token's rows: zeros (grouped: not whatever lies past the kernel's rows)
+        y = jnp.where(valid[:, None, None], y, 0)
+    return y.sum(axis=1).astype(x.dtype)

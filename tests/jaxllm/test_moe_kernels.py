@@ -100,7 +100,7 @@ def test_layout_per_round_width():
     assert moe_layout(1) == "pairs" and moe_layout(2) == "pairs" and moe_layout(8) == "grouped"
 
 
-@pytest.mark.parametrize("dtype,T", [("float32", 1), ("float32", 7), ("bfloat16", 5)])
+@pytest.mark.parametrize("dtype,T", [("float32", 1), ("float32", 2), ("float32", 7), ("bfloat16", 5)])
 def test_moe_mlp_kernel_matches_ragged_dot_path(dtype, T):
     """The dispatch in `moe_mlp`: routing, normalisation and the expert counts unchanged, the
     output equal to the ragged_dot path's within the dtype's rounding."""
@@ -124,14 +124,39 @@ def test_moe_mlp_kernel_matches_ragged_dot_path(dtype, T):
     wg, wu, wd = _weights(rng, 8, 64, 32, jdt)
     p = MoeParams(router=jnp.asarray(rng.standard_normal((64, 8)), jdt), w_gate=wg, w_up=wu, w_down=wd)
     x = jnp.asarray(rng.standard_normal((T, 64)), jdt)
-    valid = jnp.arange(T) < T - 1
+    n_valid = max(T - 1, 1)  # the last token is padding, except in a round of one
+    valid = jnp.arange(T) < n_valid
     ref, ref_counts = moe_mlp(x, p, cfg, valid, kernel=None)
     ours, counts = moe_mlp(x, p, cfg, valid, kernel="interpret")
     np.testing.assert_array_equal(counts, ref_counts)
-    assert int(counts.sum()) == 2 * (T - 1)
+    assert int(counts.sum()) == 2 * n_valid
     r, o = np.asarray(ref, np.float32), np.asarray(ours, np.float32)
     tol = 1e-5 if dtype == "float32" else 2e-2
     assert np.linalg.norm(o - r) / np.linalg.norm(r) < tol
+    assert not o[~np.asarray(valid)].any() and not r[~np.asarray(valid)].any()  # padding rows: zeros
+
+
+def test_grouped_blocks_give_padding_tokens_no_rows():
+    """Idle tokens (valid False) take no kernel rows, so no block reads an expert for them;
+    the others are laid out as without them."""
+    rng = np.random.default_rng(5)
+    T, E, k, bm = 24, 16, 2, 16
+    top_e, top_w = _routing(rng, T, E, k, False)
+    valid = np.arange(T) % 3 == 0
+    b = grouped_blocks(top_e, E, bm, jnp.asarray(valid))
+    live = np.repeat(valid, k)
+    out_row, used = np.asarray(b.out_row), int(b.used[0])
+    assert (out_row[~live] >= b.n_blocks * bm).all()
+    flat = np.asarray(top_e).reshape(-1)
+    assert used == (-(-np.bincount(flat[live], minlength=E) // bm)).sum()
+    np.testing.assert_array_equal(np.asarray(b.block_expert)[out_row[live] // bm], flat[live])
+    # The outputs: the valid tokens' as without the mask, zeros for the others.
+    wg, wu, wd = _weights(rng, E, 64, 32)
+    x = jnp.asarray(rng.standard_normal((T, 64)), jnp.float32)
+    masked = moe_ffn(x, top_e, top_w, wg, wu, wd, valid=jnp.asarray(valid), _layout="grouped", interpret=True)
+    full = moe_ffn(x, top_e, top_w, wg, wu, wd, _layout="grouped", interpret=True)
+    np.testing.assert_allclose(np.asarray(masked)[valid], np.asarray(full)[valid], rtol=1e-6, atol=1e-6)
+    assert not np.asarray(masked)[~valid].any()
 
 
 def test_prompt_rounds_take_wide_blocks_and_match_the_reference():

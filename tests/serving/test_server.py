@@ -17,7 +17,7 @@ CONFIG = """
 active_requests = {active}
 active_state_mib = 64
 request_bytes = 65536
-max_output_tokens = 256
+max_output_tokens = 480
 prefix_cache_min_tokens = 16
 [engine]
 max_slots = 8
@@ -232,12 +232,15 @@ def test_client_gone_before_admission_is_499(server, client, http):
     server["config"].write_text(CONFIG.format(active=1))
     gen = http.post("/v1/settings/reload").json()["generation"]
     try:
+        # The longest stream the context holds keeps the one slot busy well past the impatient
+        # client's timeout (250 tokens took under 0.3 s on the CPU once decode rounds stopped
+        # sampling every slot).
         long = client.completions.create(
-            model="tiny", prompt="Busy", max_tokens=250, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            model="tiny", prompt="Busy", max_tokens=480, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
         it = iter(long)
         next(it)
-        impatient = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=0.3)
+        impatient = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=0.2)
         with pytest.raises(openai.APITimeoutError):
             impatient.completions.create(model="tiny", prompt="queued", max_tokens=2)
         list(it)
