@@ -6,8 +6,20 @@ import gc
 import os
 from pathlib import Path
 
-import jax
-import pytest
+# Every compiled program goes to the persistent compilation cache (where one is set, as CI's
+# JAX_COMPILATION_CACHE_DIR), not only those that took over a second (JAX's default): the tiny
+# test models compile in well under a second, and the suite compiles the same programs again and
+# again (after `_release_executables` drops them, in each server process and notebook kernel).
+# The environment variable carries it to those subprocesses (jax reads it on import); the update
+# below covers this process should something have imported jax before this file.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+)
 
 
 # Linux allows a process 65,530 memory mappings (vm.max_map_count); every loaded CPU executable

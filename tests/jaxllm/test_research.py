@@ -20,6 +20,7 @@ from jaxllm.engine_runs import research_engine, run_rows
 from jaxllm.research.compare import sequence_logits
 from jaxllm.sampling import SamplingParams, sample, sampling_row
 from jaxllm.tokenizer import Tokenizer
+from compile_watch import compilations  # tests/ is on sys.path (conftest)
 
 TINY = ModelConfig(
     family="llama",
@@ -146,16 +147,8 @@ def test_samplers_share_compiled_rounds(model):
         ]
 
     run_rows(model, engine, rows(first))
-    compiles: list[str] = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: (
-            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
-        )
-    )
-    try:
+    with compilations() as compiles:
         out = run_rows(model, engine, rows(second))
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert compiles == []
     assert all(s.completion.token_ids for s in out)
 

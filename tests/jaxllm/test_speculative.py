@@ -18,7 +18,8 @@ from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
 from jaxllm.speculative import DraftControl, NgramIndex, prompt_lookup
-from tiny_configs import TINY_HYBRID_MOE  # tests/ is on sys.path (conftest)
+from compile_watch import compilations  # tests/ is on sys.path (conftest)
+from tiny_configs import TINY_HYBRID_MOE
 
 DENSE = ModelConfig(
     family="llama",
@@ -198,18 +199,10 @@ def test_no_compilation_after_warmup_with_drafts(model):
     )
     engine = Engine(cfg, params, eos_ids=[0], config=config, draft_source=lambda tokens, k: tokens[-k:])
     engine.warmup()
-    compiles: list[str] = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: (
-            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
-        )
-    )
-    try:
+    with compilations() as compiles:
         seqs = [engine.add(p, s) for p, s in zip(PROMPTS, SAMPLERS)]
         while any(s.finish_reason is None for s in seqs):
             engine.step()
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert engine.draft_stats.proposed.sum() > 0
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
 

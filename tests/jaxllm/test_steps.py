@@ -17,6 +17,7 @@ from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.model import matvec_cpu
 from jaxllm.sampling import SamplingParams, process_logits
 from jaxllm.state import empty_sampling
+from compile_watch import compilations  # tests/ is on sys.path (conftest)
 
 CFG = ModelConfig(
     family="llama",
@@ -181,12 +182,6 @@ def test_penalties_match_numpy_reference():
 
 
 def test_no_recompilation_after_warmup(params):
-    compiles: list[str] = []
-
-    def listener(event: str, duration: float, **kw) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     counts = []
     # The last engine compiles chunk rounds at its widest decode width only.
     for steps_per_call, chunk_segments, chunk_width in ((1, 1, 0), (3, 2, 0), (3, 2, 3)):
@@ -198,9 +193,7 @@ def test_no_recompilation_after_warmup(params):
             chunk_decode_width=chunk_width,
         )
         counts.append(engine.warmup())
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
-            compiles.clear()
+        with compilations() as compiles:
             rng = np.random.default_rng(0)
             live = []
             variants = [
@@ -253,9 +246,7 @@ def test_no_recompilation_after_warmup(params):
             ]
             run_until_done(engine, twins)
             assert twins[0].generated == twins[1].generated
-            assert compiles == [], f"{len(compiles)} compilations after warm-up"
-        finally:
-            jax.monitoring.clear_event_listeners()
+        assert compiles == [], f"{len(compiles)} compilations after warm-up"
     # Widths (1, 2, 3) x 2 chunk buckets: 4 chunk-round variants per context bucket fewer.
     assert counts[2] < counts[1]
 
@@ -267,18 +258,12 @@ def test_one_context_bucket_still_warms_every_checkpoint_size(params):
     engine = make_engine(params, steps_per_call=2, min_ctx_pages=16, max_seq_len=256)
     assert engine.ctx_buckets() == [16]
     engine.warmup()
-    compiles: list[str] = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
-    )
-    try:
+    with compilations() as compiles:
         donor = engine.add(list(range(1, 70)), SamplingParams(temperature=0, max_tokens=2))
         run_until_done(engine, [donor])
         sizes = {engine.extract(donor, n).n_pages for n in (10, 20, 40, 69)}
         paused = engine.pause(donor)
         engine.remove(engine.resume(paused))
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert sizes == {1, 2, 4, 8}  # 8: neither a context bucket nor among warm-up's old 1, 2, 4
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
 
