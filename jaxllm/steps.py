@@ -398,8 +398,8 @@ def _verify_round(
     overwritten later); linear-attention layers keep their state after each fed token and
     take the one at the accepted length.
 
-    Only slots [0, decode_width) take part (as in a decode call, the engine's smallest width
-    covering its decoding slots): the forward, lm_head and sampler run on their rows alone.
+    Only slots [0, decode_width) take part (`EngineConfig.verify_widths`, as a decode call
+    covers its decode part): the forward, lm_head and sampler run on their rows alone.
 
     Returns the state and a StepOutput stacked on a leading [K + 1] axis, step j holding the
     (j + 1)-th emitted token of each slot (`sampled` false past a slot's last one), the
