@@ -201,20 +201,7 @@ PREFILL_SWEEP = [
 ]
 
 
-# Blocks of 128 rows (every expert's rows of a 2k-token round in one block, so its weights are
-# read once, not once per 64-row block): narrower gate/up tiles keep the two float32
-# accumulators (128 x block_n each) in registers.
-PREFILL128_SWEEP = [
-    (("num_warps", 8),),
-    (("gu_block_n", 64), ("num_warps", 8)),
-    (("gu_block_n", 32), ("num_warps", 8)),
-    (("gu_block_n", 64), ("num_warps", 8), ("num_stages", 2)),
-    (("gu_block_n", 64), ("gu_block_k", 32), ("num_warps", 8)),
-    (("gu_block_n", 64), ("dn_block_n", 128), ("num_warps", 8)),
-    (("gu_block_n", 64), ("dn_block_n", 64), ("dn_block_k", 32), ("num_warps", 8)),
-    (("gu_block_n", 32), ("dn_block_n", 64), ("num_warps", 4)),
-]
-SWEEP_SETS = {"decode": SWEEP, "prefill": PREFILL_SWEEP, "prefill128": PREFILL128_SWEEP}
+SWEEP_SETS = {"decode": SWEEP, "prefill": PREFILL_SWEEP}
 
 
 def main() -> None:
