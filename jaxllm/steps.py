@@ -95,6 +95,11 @@ def empty_chunk(B: int) -> ChunkBatch:
     )
 
 
+def _to_all_slots(a: jax.Array, B: int) -> jax.Array:
+    """A part's rows ([n, ...], slots [0, n)) padded with zeros to every slot ([B, ...])."""
+    return jnp.pad(a, [(0, B - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+
 def _round(
     params: Params,
     state: DecodeState,
@@ -174,7 +179,7 @@ def _round(
         full=full_sampler,
     )
     if n_draw < B:
-        draw = jax.tree.map(lambda a: jnp.pad(a, [(0, B - n_draw)] + [(0, 0)] * (a.ndim - 1)), draw)
+        draw = jax.tree.map(lambda a: _to_all_slots(a, B), draw)
     tokens = jnp.where(sampled, draw.tokens, state.last_token)
     n_generated = state.n_generated + sampled
     out_counts = state.out_counts.at[jnp.where(sampled, rows, B), tokens].add(1, mode="drop")
@@ -410,7 +415,7 @@ def _verify_round(
     K = drafts.tokens.shape[1]
     Tw = K + 1
     part = lambda a: a[:Wd]  # noqa: E731 - the rows of the verifying part
-    to_all = lambda a: jnp.pad(a, [(0, B - Wd)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731 - back to every slot
+    to_all = lambda a: _to_all_slots(a, B)  # noqa: E731
     rows = jnp.arange(Wd)
     lengths0, last_token0, n_generated0 = part(state.lengths), part(state.last_token), part(state.n_generated)
     decoding = part(inputs.decode_mask) & ~part(state.done) & ~part(inputs.constrained)
