@@ -13,6 +13,7 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 TokenLogprob = tuple[str, float, list[tuple[str, float]]]  # token text, logprob, top alternatives
@@ -54,8 +55,11 @@ Frame = Delta | Finish | Done | Error
 class Output:
     """One request's frame channel (worker thread -> event loop) and cancel flag."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, clock: Callable[[], float] = time.perf_counter):
+        """`clock`: the scheduler's, so the report line can put the first write on its timeline."""
         self._loop = loop
+        self._clock = clock
+        self.first_written: float | None = None  # when the handler wrote the first text
         self._queue: asyncio.Queue[list[Frame]] = asyncio.Queue()
         self._buffer: list[Frame] = []
         self.cancelled = False
@@ -87,6 +91,11 @@ class Output:
     # handler side
     async def next_frames(self) -> list[Frame]:
         return await self._queue.get()
+
+    def wrote_text(self) -> None:
+        """The handler wrote a chunk with content (the client's first token, if the first)."""
+        if self.first_written is None:
+            self.first_written = self._clock()
 
     def sent(self) -> None:
         """The handler wrote the frames it took (to the socket, or into its response)."""

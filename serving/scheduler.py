@@ -62,6 +62,10 @@ _FIRST_TOKEN_SEND_SECONDS = 0.005
 _FIRST_TOKEN_SEND_SECONDS_UNDER_LOAD = 0.001  # when other sequences' tokens wait on the device too
 
 
+def _since(moment: float | None, arrived: float) -> float | None:
+    return None if moment is None else moment - arrived
+
+
 class LaunchedLike(Protocol):
     """A launched round as the scheduler reads it: what the engine planned."""
 
@@ -185,8 +189,9 @@ class Active:
             generated_tokens=self.generated_tokens,
             prefill_seconds=self.prefill_seconds,
             decode_seconds=self.decode_seconds,
-            queued_seconds=None if self.first_launch is None else self.first_launch - self.job.arrived,
-            first_token_seconds=None if self.first_token is None else self.first_token - self.job.arrived,
+            queued_seconds=_since(self.first_launch, self.job.arrived),
+            first_token_seconds=_since(self.first_token, self.job.arrived),
+            first_written_seconds=_since(self.job.output.first_written, self.job.arrived),
             context=max((c.seq.length if c.seq is not None else 0) for c in self.choices),
         )
 

@@ -72,7 +72,7 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
         raise ApiError(503, never.message, code="never_fits", param=never.param, headers={"x-should-retry": "false"})
     turn.accepted()
     session_id = turn.id
-    output = Output(loop)
+    output = Output(loop, clock=srv.scheduler.clock)
     job = Job(
         id=srv.next_id(kind),
         prepared=prepared,
@@ -119,6 +119,7 @@ async def _stream(request: Request, output: Output, fmt: Formatter, frames: list
                 return
             for chunk in fmt.chunks(f):
                 await resp.send(sse(chunk))
+                output.wrote_text()
             if isinstance(f, Done):
                 await resp.send(sse("[DONE]"))
                 await resp.eof()

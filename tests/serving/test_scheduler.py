@@ -211,7 +211,7 @@ def job(sched, loop, name: str, prompt_len: int = 4, max_tokens: int = 3, reserv
         id=name,
         prepared=prepared,
         settings=sched.settings.current,
-        output=Output(loop),
+        output=Output(loop, clock=sched.clock),
         reservation=reservation,
         pages=-(-(prompt_len + max_tokens) // 4),
         arrived=sched.clock(),
@@ -273,15 +273,16 @@ def test_rounds_are_pipelined_and_tokens_past_a_stop_are_dropped(loop):
     assert fs[-1].usage["completion_tokens"] == 3 + 6
 
 
-def test_a_streamed_first_token_is_written_before_the_next_launch():
+def test_a_streamed_first_token_is_written_before_the_next_launch(caplog):
     """The worker's next launch is host work holding the GIL, so the event loop could write a
     first token only after it: the worker waits (GIL released) until the handler wrote it.
-    The handler here takes 2 ms to write, inside the worker's 5 ms bound."""
+    The handler here takes 2 ms to write, inside the worker's 5 ms bound; the report line puts
+    its write on the request's timeline (the fake clock moved 7 ms meanwhile)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
-        sched, engine, _ = make(Limits())
+        sched, engine, clock = make(Limits())
         j = job(sched, loop, "a", prompt_len=4, max_tokens=4, stream=True)
         written: list[int] = []  # launches made when the handler wrote its first frames
 
@@ -289,12 +290,17 @@ def test_a_streamed_first_token_is_written_before_the_next_launch():
             await j.output.next_frames()
             await asyncio.sleep(0.002)
             written.append(engine.calls.count("launch"))
+            clock.t += 0.007  # the worker waits meanwhile: nothing else reads the clock
+            j.output.wrote_text()
             j.output.sent()
 
         writing = asyncio.run_coroutine_threadsafe(handler(), loop)
-        run_until_idle(sched)
+        with caplog.at_level("INFO", logger="jaxllm.serve"):
+            run_until_idle(sched)
         writing.result(timeout=5)
         assert written == [1]  # only the prompt round had launched
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serve a: prefill")]
+        assert line.endswith("| first token 0.0 ms (queued 0.0 ms, written 7.0 ms)"), line
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
