@@ -139,6 +139,7 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     chunk_times: list[float] = dataclasses.field(default_factory=list)  # since send, content chunks only
+    text_chunks: int = 0  # chunks that carried text (0: every token decoded to nothing)
     error: str = ""
 
     @property
@@ -193,6 +194,7 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
                 choices = chunk.get("choices") or []
                 if any(c.get("text") for c in choices):
                     res.chunk_times.append(now)
+                    res.text_chunks += 1
                 elif any(c.get("finish_reason") for c in choices) and not res.chunk_times:
                     res.chunk_times.append(now)
                 if chunk.get("usage"):
@@ -261,6 +263,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "ttft_ms": _stats_ms([r.ttft for r in ok]),
         "ttft_ms_each": [round(r.ttft * 1000.0, 2) for r in ok],  # in request order: which one was slow
+        # A stream without text has its finish chunk as its "first token": TTFT = its latency.
+        "textless_requests": sum(1 for r in ok if not r.text_chunks),
+        "text_chunks_each": [r.text_chunks for r in ok],
         "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": _stats_ms([x for r in ok for x in r.itls]),
         "e2el_ms": _stats_ms([r.latency for r in ok]),
@@ -631,6 +636,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'Input / output tokens per request:':<44}{a['input_len']} / {a['output_len']}",
         f"{'Concurrency / request rate:':<44}{a['concurrency'] or 'unbounded'} / {rate}",
         f"{'Successful requests:':<44}{s['successful_requests']}",
+        f"{'Requests whose stream had no text:':<44}{s['textless_requests']}",
         f"{'Failed requests:':<44}{s['failed_requests']}",
         f"{'Benchmark duration (s):':<44}{s['duration_s']:.2f}",
         f"{'Total input tokens:':<44}{s['total_input_tokens']}",
