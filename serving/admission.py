@@ -105,7 +105,8 @@ class Job:
     output: Output
     reservation: int  # Reservation.total
     pages: int  # per choice
-    arrived: float
+    arrived: float  # handed to the worker (scheduler clock)
+    received: float | None = None  # the handler started: arrived - received is body, parse, tokenize
     session_id: str | None = None
     session_messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 

@@ -60,6 +60,7 @@ class RequestView:
     prefill_seconds: float
     decode_seconds: float
     context: int = 0  # its longest choice's positions in the cache
+    parse_seconds: float | None = None  # the handler started -> arrival (body, parse, tokenize)
     queued_seconds: float | None = None  # arrival -> the first round carrying its prompt
     first_token_seconds: float | None = None  # arrival -> its first token handed to the handler
     first_written_seconds: float | None = None  # arrival -> the handler wrote its first chunk (streams)
@@ -80,6 +81,7 @@ class RequestView:
             },
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "parse_seconds": self.parse_seconds,
             "queued_seconds": self.queued_seconds,
             "first_token_seconds": self.first_token_seconds,
             "first_written_seconds": self.first_written_seconds,
@@ -123,7 +125,8 @@ def report_lines(r: RequestView, pool: PoolUse) -> list[str]:
         f"({100 * r.context / max(pool.max_context, 1):.0f}% full) | kv cache {used}/{total} pages "
         f"({100 * used / max(total, 1):.0f}% full)"
         + (
-            f" | first token {1e3 * r.first_token_seconds:.1f} ms (queued {1e3 * (r.queued_seconds or 0.0):.1f} ms"
+            (f" | parsed in {1e3 * r.parse_seconds:.1f} ms" if r.parse_seconds is not None else "")
+            + f" | first token {1e3 * r.first_token_seconds:.1f} ms (queued {1e3 * (r.queued_seconds or 0.0):.1f} ms"
             + (f", written {1e3 * r.first_written_seconds:.1f} ms)" if r.first_written_seconds is not None else ")")
             if r.first_token_seconds is not None
             else ""

@@ -189,6 +189,7 @@ class Active:
             generated_tokens=self.generated_tokens,
             prefill_seconds=self.prefill_seconds,
             decode_seconds=self.decode_seconds,
+            parse_seconds=None if self.job.received is None else self.job.arrived - self.job.received,
             queued_seconds=_since(self.first_launch, self.job.arrived),
             first_token_seconds=_since(self.first_token, self.job.arrived),
             first_written_seconds=_since(self.job.output.first_written, self.job.arrived),

@@ -32,18 +32,21 @@ async def completions(request: Request) -> Any:
 
 
 async def _generate(request: Request, kind: str) -> Any:
+    received = server_of(request).scheduler.clock()
     srv, body = await model_request(request)
     key = caller_key(request)
     turn = SessionTurn.open(srv.sessions, key, body.get("session") if kind == "chat" else None)
     srv.in_flight += 1
     try:
-        return await _run_generation(request, srv, kind, body, turn)
+        return await _run_generation(request, srv, kind, body, turn, received)
     finally:
         srv.in_flight -= 1
         turn.close()
 
 
-async def _run_generation(request: Request, srv: Server, kind: str, body: dict[str, Any], turn: SessionTurn) -> Any:
+async def _run_generation(
+    request: Request, srv: Server, kind: str, body: dict[str, Any], turn: SessionTurn, received: float
+) -> Any:
     settings = srv.settings.current
     engine, tok, cfg = srv.engine, srv.model.tokenizer, srv.model.cfg
     history, session_seed = turn.history, turn.seed
@@ -81,6 +84,7 @@ async def _run_generation(request: Request, srv: Server, kind: str, body: dict[s
         reservation=reservation,
         pages=pages,
         arrived=srv.scheduler.clock(),
+        received=received,
         session_id=session_id,
         session_messages=prepared.messages if session_id else [],
     )

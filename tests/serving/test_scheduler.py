@@ -197,7 +197,17 @@ def make(limits: Limits, engine: FakeEngine | None = None):
     return sched, engine, clock
 
 
-def job(sched, loop, name: str, prompt_len: int = 4, max_tokens: int = 3, reservation: int = 10, stop=(), stream=False):
+def job(
+    sched,
+    loop,
+    name: str,
+    prompt_len: int = 4,
+    max_tokens: int = 3,
+    reservation: int = 10,
+    stop=(),
+    stream=False,
+    parse_seconds: float | None = None,
+):
     prepared = Prepared(
         kind="completion",
         model="m",
@@ -215,6 +225,7 @@ def job(sched, loop, name: str, prompt_len: int = 4, max_tokens: int = 3, reserv
         reservation=reservation,
         pages=-(-(prompt_len + max_tokens) // 4),
         arrived=sched.clock(),
+        received=None if parse_seconds is None else sched.clock() - parse_seconds,
     )
     sched.submit(j)
     return j
@@ -277,13 +288,14 @@ def test_a_streamed_first_token_is_written_before_the_next_launch(caplog):
     """The worker's next launch is host work holding the GIL, so the event loop could write a
     first token only after it: the worker waits (GIL released) until the handler wrote it.
     The handler here takes 2 ms to write, inside the worker's 5 ms bound; the report line puts
-    its write on the request's timeline (the fake clock moved 7 ms meanwhile)."""
+    its write on the request's timeline (the fake clock moved 7 ms meanwhile), after the 3 ms
+    the request took to parse before it reached the worker."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
         sched, engine, clock = make(Limits())
-        j = job(sched, loop, "a", prompt_len=4, max_tokens=4, stream=True)
+        j = job(sched, loop, "a", prompt_len=4, max_tokens=4, stream=True, parse_seconds=0.003)
         written: list[int] = []  # launches made when the handler wrote its first frames
 
         async def handler():
@@ -300,7 +312,7 @@ def test_a_streamed_first_token_is_written_before_the_next_launch(caplog):
         writing.result(timeout=5)
         assert written == [1]  # only the prompt round had launched
         (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serve a: prefill")]
-        assert line.endswith("| first token 0.0 ms (queued 0.0 ms, written 7.0 ms)"), line
+        assert line.endswith("| parsed in 3.0 ms | first token 0.0 ms (queued 0.0 ms, written 7.0 ms)"), line
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
