@@ -140,6 +140,7 @@ class RequestResult:
     latency: float = 0.0
     chunk_times: list[float] = dataclasses.field(default_factory=list)  # since send, content chunks only
     text_chunks: int = 0  # chunks that carried text (0: every token decoded to nothing)
+    headers: float = 0.0  # since send: the response headers (the server sends them with its first frames)
     error: str = ""
 
     @property
@@ -175,6 +176,7 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
     started = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
+            res.headers = time.perf_counter() - started
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 return res
@@ -266,6 +268,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         # A stream without text has its finish chunk as its "first token": TTFT = its latency.
         "textless_requests": sum(1 for r in ok if not r.text_chunks),
         "text_chunks_each": [r.text_chunks for r in ok],
+        "headers_ms_each": [round(r.headers * 1000.0, 2) for r in ok],  # far below its TTFT: the text came late
         "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": _stats_ms([x for r in ok for x in r.itls]),
         "e2el_ms": _stats_ms([r.latency for r in ok]),
