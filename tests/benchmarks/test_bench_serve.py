@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -29,7 +30,7 @@ chunk_buckets = [32]
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_server")
     args = ["tests.serving.tiny_server", "--api-key", KEY, "--profile-dir", str(tmp / "trace")]
-    with running_server(args, tmp, CONFIG, health_timeout=240) as s:
+    with running_server(args, tmp, CONFIG, health_timeout=240, warmup=True) as s:  # it counts compilations
         yield s
 
 
@@ -67,8 +68,14 @@ def test_bench_serve_json(server, capsys):
         assert s[key]["mean"] is not None and s[key]["p99"] >= s[key]["p50"] >= 0
     assert s["output_throughput"] > 0 and s["total_token_throughput"] > s["output_throughput"]
     assert len(s["ttft_ms_each"]) == 6 and max(s["ttft_ms_each"]) == pytest.approx(s["ttft_ms"]["p99"], rel=0.05)
-    # The server warmed every shape before /health: the requests compiled nothing.
+    # The server warmed every shape before /health, logging its progress: the requests
+    # compiled nothing.
+    log = server["log"].read_text()
+    assert "warm-up 0/" in log and re.search(r"warm-up (\d+)/\1 ", log)
     assert r["compilations"] == 0
+    # Every stream carried text, its headers no later than its first text.
+    assert s["textless_requests"] == 0 and all(n > 0 for n in s["text_chunks_each"])
+    assert all(h <= t for h, t in zip(s["headers_ms_each"], s["ttft_ms_each"]))
     # The pid listening on the port is found through /proc, so RSS comes from VmRSS.
     assert r["rss_source"] == f"/proc/{server['proc'].pid}/status VmRSS"
     assert r["rss_before"] > 10 << 20 and r["rss_after"] > 10 << 20

@@ -24,9 +24,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(
-    module_args: list[str], tmp: Path, config_text: str, *, health_timeout: float = 300
+    module_args: list[str], tmp: Path, config_text: str, *, health_timeout: float = 300, warmup: bool = False
 ) -> Iterator[dict]:
     """Runs `python -m <module_args> --port P --config C` until the block ends.
+
+    Without `warmup` the server starts with `--no-warmup`: its rounds compile as the tests
+    first run them, not every shape bucket up front (most modules use a few; warming all of
+    them was most of each module's time on CI). Tests of compilations while serving warm up.
 
     Yields a dict with base (URL), port, config, log, tmp and proc; fails with the server's
     log if it exits or never turns healthy.
@@ -44,7 +48,8 @@ def running_server(
     log_path = tmp / "server.log"
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", *module_args, "--port", str(port), "--config", str(config)],
+            [sys.executable, "-m", *module_args, "--port", str(port), "--config", str(config)]
+            + ([] if warmup else ["--no-warmup"]),
             cwd=ROOT,
             env=env,
             stdout=log,

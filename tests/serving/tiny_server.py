@@ -1,6 +1,6 @@
 """Starts `jaxllm serve` on a tiny random-weight llama with the SmolLM2 tokenizer (tests).
 
-python -m tests.serving.tiny_server --port P --config C [--api-key K] [--api-key-file F] [--profile-dir D]
+python -m tests.serving.tiny_server --port P --config C [--api-key K] [--api-key-file F] [--profile-dir D] [--no-warmup]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def main() -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--api-key-file", default=None)
     p.add_argument("--profile-dir", default=None)
+    p.add_argument("--no-warmup", action="store_true")
     a = p.parse_args()
     return serve(
         tiny_model,
@@ -41,6 +42,7 @@ def main() -> int:
         api_key=a.api_key,
         profile_dir=a.profile_dir,
         api_key_file=a.api_key_file,
+        warmup=not a.no_warmup,
     )
 
 
