@@ -14,6 +14,13 @@ from pathlib import Path
 # below covers this process should something have imported jax before this file.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+# The suite's time is mostly XLA compiling tiny programs (every engine warm-up compiles every
+# round shape), and on the CPU most of a compile is LLVM optimising code the tests then run
+# for milliseconds: at optimisation level 0 an engine warm-up test took 33 s instead of 51.
+# Subprocesses (servers, notebook kernels) inherit it; a flag already given wins.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
