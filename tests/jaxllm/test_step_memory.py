@@ -35,9 +35,15 @@ OPTS = RuntimeOptions()
 LAYOUT = StateLayout(max_slots=1, page_size=16, n_pages=31, max_pages_per_seq=28)
 
 
+def _abstract_params_and_state(scan_layers: bool) -> tuple:
+    """Shapes only: compiling needs no values, and drawing and laying out 135M-sized weights
+    eagerly cost the tests ~70 s where XLA's CPU code is unoptimised (conftest)."""
+    params = jax.eval_shape(lambda: layout_params(dummy_params(CFG), scan_layers))
+    return params, jax.eval_shape(lambda: steps.new_state(CFG, LAYOUT, OPTS))
+
+
 def _compiled_decode(scan_layers: bool) -> str:
-    params = layout_params(dummy_params(CFG), scan_layers)
-    state = steps.new_state(CFG, LAYOUT, OPTS)
+    params, state = _abstract_params_and_state(scan_layers)
     inputs = steps.round_inputs(LAYOUT.max_slots, CFG.vocab_size)
     lowered = steps.decode_steps.lower(
         params, state, inputs, cfg=CFG, opts=OPTS, n_steps=2, n_ctx_pages=28, decode_width=LAYOUT.max_slots
@@ -56,8 +62,7 @@ def test_decode_step_never_copies_the_cache(scan_layers):
 def test_unrolled_layers_keep_one_layers_context_live():
     # The temp buffer must not grow with the layer count: each layer's gathered context K/V
     # ([slots, context, K, Dh], twice) is read right before that layer, not all up front.
-    params = layout_params(dummy_params(CFG), False)
-    state = steps.new_state(CFG, LAYOUT, OPTS)
+    params, state = _abstract_params_and_state(False)
     inputs = steps.round_inputs(LAYOUT.max_slots, CFG.vocab_size)
     compiled = steps.decode_steps.lower(
         params, state, inputs, cfg=CFG, opts=OPTS, n_steps=1, n_ctx_pages=28, decode_width=LAYOUT.max_slots
