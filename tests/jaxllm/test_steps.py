@@ -181,16 +181,14 @@ def test_penalties_match_numpy_reference():
     np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
 
 
+# The engine shapes both warm-up tests below compile (once: the second finds them compiled):
+# multi-step decode calls, packed prompts, chunk rounds at the widest decode width only.
+WARM_SHAPES = dict(slots=3, steps_per_call=3, chunk_segments=2, chunk_decode_width=3)
+
+
 def test_no_recompilation_after_warmup(params):
-    # The second engine compiles chunk rounds at its widest decode width only.
-    for steps_per_call, chunk_segments, chunk_width in ((1, 1, 0), (3, 2, 3)):
-        engine = make_engine(
-            params,
-            slots=3,
-            steps_per_call=steps_per_call,
-            chunk_segments=chunk_segments,
-            chunk_decode_width=chunk_width,
-        )
+    for shapes in (dict(slots=3, steps_per_call=1, chunk_segments=1, chunk_decode_width=0), WARM_SHAPES):
+        engine = make_engine(params, **shapes)
         engine.warmup()
         with compilations() as compiles:
             rng = np.random.default_rng(0)
@@ -248,7 +246,7 @@ def test_no_recompilation_after_warmup(params):
         assert compiles == [], f"{len(compiles)} compilations after warm-up"
     # Widths (1, 2, 3) x 2 chunk buckets: 4 chunk-round variants per context bucket fewer than
     # with chunk rounds at every width (counted, not compiled).
-    every_width = make_engine(params, slots=3, steps_per_call=3, chunk_segments=2, chunk_decode_width=0)
+    every_width = make_engine(params, **{**WARM_SHAPES, "chunk_decode_width": 0})
     n_ctx = len(engine.ctx_buckets())
     assert len(engine._round_variants()) == len(every_width._round_variants()) - 4 * n_ctx
 
@@ -273,7 +271,7 @@ def test_one_context_bucket_still_warms_every_checkpoint_size(params):
 def test_warmup_runs_leave_the_state_as_it_was(params):
     """Warm-up's idle runs of every round (on by default on a GPU) touch only the trash row
     and page: the state equals a warm-up without them, and requests draw the same."""
-    engines = [make_engine(params, steps_per_call=3, chunk_segments=2, warmup_runs=runs) for runs in (True, False)]
+    engines = [make_engine(params, **WARM_SHAPES, warmup_runs=runs) for runs in (True, False)]
     for e in engines:
         e.warmup()
     ran, plain = engines
