@@ -106,6 +106,7 @@ def paged_decode_reference(
     windows: Windows,
     *,
     n_ctx_pages: int,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """`paged_attention` for one-token windows that are the batch's first rows (window i is
     row i, as the steps lay out decode tokens), written for that case.
@@ -115,19 +116,20 @@ def paged_decode_reference(
     known row all of that reduces to slices and one extra score per head. On the CPU the
     ~15 ops saved per layer are a measurable part of a decode step (XLA runs ops one by one).
 
-    Same arguments as `paged_attention` (window_len is 1); returns [T, H, Dh].
+    Same arguments as `paged_attention` (window_len is 1, `layer` as there); returns [T, H, Dh].
     """
     T, H, Dh = q.shape
     W = windows.slot.shape[0]
-    page, K = k_pages.shape[1], k_pages.shape[2]
+    page, K = k_pages.shape[-3], k_pages.shape[-2]
     G = H // K
     S = n_ctx_pages * page
     scale = Dh**-0.5
 
     qw = q[:W].reshape(W, K, G, Dh)
     pages = page_table[windows.slot, :n_ctx_pages]  # [W, n]
-    k = k_pages[pages].reshape(W, S, K, Dh).astype(q.dtype)  # widens an 8-bit cache
-    v = v_pages[pages].reshape(W, S, K, Dh).astype(q.dtype)
+    at = pages if layer is None else (layer, pages)
+    k = k_pages[at].reshape(W, S, K, Dh).astype(q.dtype)  # widens an 8-bit cache
+    v = v_pages[at].reshape(W, S, K, Dh).astype(q.dtype)
     cached = jnp.einsum("wkgd,wskd->wkgs", qw, k, preferred_element_type=jnp.float32) * scale
     cached_ok = jnp.arange(S)[None, :] < positions[:W, None]  # [W, S]: written by earlier rounds
     cached = jnp.where(cached_ok[:, None, None, :], cached, _MASKED)

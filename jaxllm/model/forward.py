@@ -156,13 +156,14 @@ def attend(
         layers with a cache.
       fused_input: see `_decode_kernel_attention`.
     """
-    k_layer, v_layer = kv.k[layer_index], kv.v[layer_index]
+    # The references read the whole cache at the layer inside their page gathers: a slice of
+    # the layer first was a copy of that layer's pool (XLA did not fuse it into the gather).
     kernel = decode_attention_kernel(opts)
     if kernel is not None and batch.decode.slot.shape[0]:
         attn = _decode_kernel_attention(q, k, v, kv, layer_index, lookups, batch, kernel, fused_input)
     else:
         attn = paged_decode_reference(
-            q, k, v, batch.positions, k_layer, v_layer, page_table, batch.decode, n_ctx_pages=n_ctx_pages
+            q, k, v, batch.positions, kv.k, kv.v, page_table, batch.decode, n_ctx_pages=n_ctx_pages, layer=layer_index
         )
     if batch.chunks.slot.shape[0] and fused_attention_available(opts.dtype):
         attn = attn + chunk_attention(
@@ -185,12 +186,13 @@ def attend(
             k,
             v,
             batch.positions,
-            k_layer,
-            v_layer,
+            kv.k,
+            kv.v,
             page_table,
             batch.chunks,
             window_len=chunk_len,
             n_ctx_pages=n_ctx_pages,
+            layer=layer_index,
         )
     return attn
 
@@ -331,9 +333,13 @@ def forward(
             body, (x, pending), (params.layers, jnp.arange(cfg.n_layers))
         )
     else:
+        # The layers share one jitted body, so a round traces and lowers one layer, not all of
+        # them (warm-up lowers every round shape serially); XLA inlines the calls, so the
+        # compiled round is the same as with the layers written out.
+        run_layer = jax.jit(lambda x, pending, i, lp: _layer(x, pending, kv, i, lp, batch, **kwargs))
         ks, vs, per_layer = [], [], []
         for i, lp in enumerate(params.layers):
-            x, pending, (k, v), e = _layer(x, pending, kv, i, lp, batch, **kwargs)
+            x, pending, (k, v), e = run_layer(x, pending, jnp.int32(i), lp)
             ks.append(k)
             vs.append(v)
             per_layer.append(e)

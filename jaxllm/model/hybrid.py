@@ -192,16 +192,18 @@ def hybrid_forward(
         # Unrolled (the GPU layout): every block's weights are their own buffers, so a kernel
         # (the MoE experts') takes them as they lie; a slice of a stacked weight inside the
         # step would be copied before each custom call.
+        # The groups share one jitted body, so a round traces and lowers one group, not all of
+        # them (warm-up lowers every round shape serially); XLA inlines the calls, so the
+        # compiled round is the same as with the groups written out.
+        def one_group(x, pending, pool, lin, full, g):
+            return group(x, pending, pool, lambda i: lin[i], lambda i: full[i], g)
+
+        run_group = jax.jit(one_group)
         outs, pending = [], None
         for g in range(groups):
-            (x, pending, pool), out = group(
-                x,
-                pending,
-                pool,
-                lambda i, g=g: layers.linear[g * n_lin + i],
-                lambda i, g=g: layers.full[g * n_full + i],
-                g,
-            )
+            lin = None if layers.linear is None else layers.linear[g * n_lin : (g + 1) * n_lin]
+            full = layers.full[g * n_full : (g + 1) * n_full]
+            (x, pending, pool), out = run_group(x, pending, pool, lin, full, jnp.int32(g))
             outs.append(out)
         conv, delta, k_new, v_new, experts = (None if o[0] is None else jnp.stack(o) for o in zip(*outs))
     else:

@@ -499,6 +499,7 @@ def test_a_prompt_round_copies_no_layer_of_the_cache(params, monkeypatch, scan_l
         "fresh_causal_attention",
         lambda *a, implementation=None, **k: real_fresh(*a, implementation="xla", **k),
     )
+    jax.clear_caches()  # traces an earlier test made with the real choices must not be reused
     opts = RuntimeOptions(scan_layers=scan_layers)
     eng = make_engine(layout_params(params, scan_layers), opts=opts, chunk_segments=2)
     eng.add(list(range(1, 11)), SamplingParams(max_tokens=1, temperature=0.0))
