@@ -13,7 +13,7 @@ from serving.admission import Job, never_fits, reserve
 from serving.errors import ApiError
 from serving.output import Done, Error, Finish, Formatter, Output, sse
 from serving.protocol import Prepared, parse_chat, parse_completion
-from serving.routes.common import caller_key, model_request, server_of
+from serving.routes.common import caller_key, check_ready, model_request, server_of
 from serving.server_state import Server
 from serving.sessions import SessionTurn
 from serving.validation import check_sizes, check_tokenize
@@ -32,7 +32,9 @@ async def completions(request: Request) -> Any:
 
 
 async def _generate(request: Request, kind: str) -> Any:
-    received = server_of(request).scheduler.clock()
+    srv = server_of(request)
+    check_ready(srv)  # 503 while the model loads: there is no scheduler (whose clock times requests) yet
+    received = srv.scheduler.clock()
     srv, body = await model_request(request)
     key = caller_key(request)
     turn = SessionTurn.open(srv.sessions, key, body.get("session") if kind == "chat" else None)

@@ -122,3 +122,28 @@ def test_warmup_progress_is_logged_by_tenths(caplog):
     lines = [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()]
     assert lines[0] == "warm-up 0/40 shape variants compiled" and lines[-1] == "warm-up 40/40 shape variants compiled"
     assert len(lines) == 11 and (srv.warmup_done, srv.warmup_total) == (40, 40)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_generation_request_while_the_model_loads_is_a_503(kind):
+    """Before the scheduler exists (the model still loading) a generation request is refused
+    with a 503, not failed by the handler timing it on the scheduler's clock (a 500 on the
+    GPU benchmark's first requests)."""
+    import asyncio
+    import types
+
+    from serving.app import Server
+    from serving.routes.openai_api import _generate
+
+    srv = Server(
+        SettingsStore(Settings()),
+        loader=lambda: None,
+        model_name="m",
+        api_keys=frozenset(),
+        warmup=False,
+        on_death=None,
+    )
+    request = types.SimpleNamespace(app=types.SimpleNamespace(ctx=types.SimpleNamespace(server=srv)))
+    with pytest.raises(ApiError) as e:
+        asyncio.run(_generate(request, kind))
+    assert e.value.status == 503 and "loading" in str(e.value)
