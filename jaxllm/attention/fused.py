@@ -30,10 +30,13 @@ def fresh_causal_attention(
     in_window = offsets[None, :] < windows.length[:, None]
     safe_idx = jnp.where(in_window, idx, 0)
     lengths = jnp.maximum(windows.length, 1).astype(jnp.int32)
+    # Rows past a window's length are masked keys, but a zero weight times a non-finite value
+    # (a padding row's) is still nan inside the product: they are zeroed.
+    v = jnp.where(in_window[:, :, None, None], v_new[safe_idx].astype(q.dtype), 0)
     out = jax.nn.dot_product_attention(
         q[safe_idx],
         k_new[safe_idx].astype(q.dtype),  # widens an 8-bit cache's keys and values
-        v_new[safe_idx].astype(q.dtype),
+        v,
         is_causal=True,
         query_seq_lengths=lengths,
         key_value_seq_lengths=lengths,

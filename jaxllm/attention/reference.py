@@ -85,6 +85,10 @@ def paged_attention(
     fresh_ok = (offsets[None, None, :] <= offsets[None, :, None]) & in_window[:, None, :]  # [W, Q, Q]
     cached = jnp.where(cache_ok[:, None, None], cached, _MASKED)
     fresh = jnp.where(fresh_ok[:, None, None], fresh, _MASKED)
+    # Masked values are zeroed, not only weighted 0: pages past the context (the trash page,
+    # a page's unwritten tail) and rows outside the window may hold anything, and 0 * nan is nan.
+    v = jnp.where(cache_ok[:, 0, :, None, None], v, 0)
+    vw = jnp.where(in_window[:, :, None, None], vw, 0)
     probs = jax.nn.softmax(jnp.concatenate([cached, fresh], axis=-1), axis=-1).astype(v.dtype)
     out = jnp.einsum("wkgqs,wskd->wqkgd", probs[..., :S], v, preferred_element_type=jnp.float32)
     out = out + jnp.einsum("wkgqp,wpkd->wqkgd", probs[..., S:], vw, preferred_element_type=jnp.float32)
@@ -133,6 +137,7 @@ def paged_decode_reference(
     cached = jnp.einsum("wkgd,wskd->wkgs", qw, k, preferred_element_type=jnp.float32) * scale
     cached_ok = jnp.arange(S)[None, :] < positions[:W, None]  # [W, S]: written by earlier rounds
     cached = jnp.where(cached_ok[:, None, None, :], cached, _MASKED)
+    v = jnp.where(cached_ok[:, :, None, None], v, 0)  # 0 * nan is nan: see `paged_attention`
     fresh = jnp.einsum("wkgd,wkd->wkg", qw, k_new[:W].astype(q.dtype), preferred_element_type=jnp.float32) * scale
 
     top = jnp.maximum(cached.max(axis=-1), fresh)  # [W, K, G]; finite thanks to the fresh key

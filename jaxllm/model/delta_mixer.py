@@ -97,7 +97,9 @@ def _rule_inputs(
     """The conv over the segments' tokens and the delta rule's inputs: (inputs, new conv
     windows), with `snapshots` the windows after each token ([R, Tw, Kc-1, C])."""
     Hk, Hv, Dk = cfg.linear_n_k_heads, cfg.linear_n_v_heads, cfg.linear_k_dim
-    x = qkv[seg.rows].astype(jnp.float32)  # [R, Tw, C]
+    # Padding positions read other rows of the batch (idle ones among them); zeroed, whatever
+    # those hold (a non-finite value times a zero beta would still be nan in the WY form).
+    x = jnp.where(seg.valid[..., None], qkv[seg.rows].astype(jnp.float32), 0.0)  # [R, Tw, C]
     y, conv = causal_conv(x, conv0, p.conv.astype(jnp.float32), seg.lengths)
     if snapshots:  # the window after j + 1 tokens: the last Kc - 1 inputs of (window ++ x[:j + 1])
         both = jnp.concatenate([conv0.astype(jnp.float32), x], axis=1)

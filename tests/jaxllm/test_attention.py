@@ -92,3 +92,51 @@ def test_decode_reference_matches_general_path():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert not np.any(np.asarray(got)[2:])  # the empty window and the non-decode rows
         assert np.any(np.asarray(got)[:2])
+
+
+def _poisoned_outside_context(args: tuple) -> tuple:
+    """`_inputs` with nan in every page position a window may read but not attend (the pages'
+    tails past the context, the trash page, unused pages) and in every row outside the windows."""
+    q, k_new, v_new, positions, k_pages, v_pages, page_table, windows = args
+    stale = np.ones((P, PAGE), bool)
+    for w in range(2):
+        first = int(positions[int(windows.start[w])])
+        for i in range(first):
+            stale[int(page_table[int(windows.slot[w]), i // PAGE]), i % PAGE] = False
+    rows = np.ones((T,), bool)
+    for w in range(2):
+        rows[int(windows.start[w]) : int(windows.start[w]) + int(windows.length[w])] = False
+    nan_at = lambda x, m: jnp.where(jnp.asarray(m)[(...,) + (None,) * (x.ndim - m.ndim)], jnp.nan, x)  # noqa: E731
+    return (
+        q,
+        nan_at(k_new, rows),
+        nan_at(v_new, rows),
+        positions,
+        nan_at(k_pages, stale),
+        nan_at(v_pages, stale),
+        page_table,
+        windows,
+    )
+
+
+def test_nothing_outside_a_windows_context_reaches_its_output():
+    """Masked keys and values are not only weighted 0 but unread: a zero weight times nan is nan
+    (an exact repeat's one-token chunk read the trash page so on an H100; test_padding_rows.py)."""
+    for firsts in [(0, 0), (5, 9)]:
+        args = _inputs(4, firsts)
+        bad = _poisoned_outside_context(args)
+        in_windows = np.zeros((T,), bool)
+        in_windows[0:10] = in_windows[12:19] = True
+        want = paged_attention(*args, window_len=10, n_ctx_pages=5)
+        np.testing.assert_allclose(paged_attention(*bad, window_len=10, n_ctx_pages=5)[in_windows], want[in_windows])
+        if firsts == (0, 0):
+            q, k_new, v_new, _, _, _, _, windows = bad
+            got = fresh_causal_attention(q, k_new, v_new, windows, window_len=10, implementation="xla")
+            np.testing.assert_allclose(got[in_windows], want[in_windows], rtol=1e-5, atol=1e-5)
+    q, k_new, v_new, _, k_pages, v_pages, page_table, _ = _inputs(5, (0, 0))
+    windows = Windows(slot=jnp.asarray([0, 1]), start=jnp.asarray([0, 1]), length=jnp.asarray([1, 1]))
+    positions = jnp.zeros((T,), jnp.int32).at[:2].set(jnp.asarray([6, 13]))
+    args = (q, k_new, v_new, positions, k_pages, v_pages, page_table, windows)
+    bad = _poisoned_outside_context(args)
+    want = paged_decode_reference(*args, n_ctx_pages=5)[:2]
+    np.testing.assert_allclose(paged_decode_reference(*bad, n_ctx_pages=5)[:2], want)
