@@ -28,3 +28,23 @@ TINY_HYBRID_MOE = ModelConfig(
     layer_types=("linear_attention", "full_attention") * 2,
     **TINY_DELTANET,
 )
+
+# A llama-shaped dense model and a qwen3_moe one at the same widths.
+TINY_DENSE = ModelConfig(
+    family="llama",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    max_position=256,
+)
+TINY_MOE = TINY_DENSE.replace(
+    family="qwen3_moe",
+    ffn_dim=0,
+    n_experts=6,  # not a power of two: the MoE kernels pad the experts
+    n_experts_per_token=2,
+    moe_ffn_dim=16,
+)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiny_configs import TINY_HYBRID_MOE
+from tiny_configs import TINY_DENSE, TINY_HYBRID_MOE, TINY_MOE
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
@@ -28,19 +28,7 @@ from jaxllm.params import layout_params
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
 
-_DENSE = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=48,
-    max_position=256,
-)
-_MOE = _DENSE.replace(family="qwen3_moe", ffn_dim=0, n_experts=6, n_experts_per_token=2, moe_ffn_dim=16)
-_MODELS = {"hybrid": TINY_HYBRID_MOE, "dense": _DENSE, "moe": _MOE}
+_MODELS = {"hybrid": TINY_HYBRID_MOE, "dense": TINY_DENSE, "moe": TINY_MOE}
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 

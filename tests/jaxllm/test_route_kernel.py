@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tiny_configs import TINY_HYBRID_MOE
+from tiny_configs import TINY_HYBRID_MOE, TINY_MOE
 from jaxllm.api import prompt_logits
 from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
@@ -18,21 +18,6 @@ from jaxllm.model.layers import expert_counts, route
 from jaxllm.model.route_kernel import route_and_count
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import SamplingParams
-
-TINY_MOE = ModelConfig(
-    family="qwen3_moe",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=0,
-    max_position=256,
-    n_experts=6,  # not a power of two: the kernel pads the experts
-    n_experts_per_token=2,
-    moe_ffn_dim=16,
-)
 
 
 def _routing_cfg(E: int, k: int, norm_topk_prob: bool) -> ModelConfig:

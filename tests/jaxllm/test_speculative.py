@@ -13,25 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
 from jaxllm.speculative import DraftControl, NgramIndex, prompt_lookup
 from compile_watch import compilations  # tests/ is on sys.path (conftest)
-from tiny_configs import TINY_HYBRID_MOE
+from tiny_configs import TINY_DENSE, TINY_HYBRID_MOE
 
-DENSE = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=64,
-    max_position=256,
-)
+DENSE = TINY_DENSE
 HYBRID = TINY_HYBRID_MOE
 PROMPTS = [[5, 9, 33, 2, 71, 5, 9, 33, 2, 71, 5, 9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7]]
 SAMPLERS = [
