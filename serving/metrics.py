@@ -29,6 +29,11 @@ class Metrics:
             "jaxllm_reconcile_errors", "Streamed text differed from the final decode", registry=r
         )
         self.round_failures = Counter("jaxllm_round_failures", "Compiled rounds that raised", registry=r)
+        self.nan_tokens = Counter(
+            "jaxllm_nan_logit_tokens",
+            "Tokens drawn from nan logits (a numerical fault: not the model's text)",
+            registry=r,
+        )
         self.queued_requests = Counter("jaxllm_queued", "Requests handed to the worker", registry=r)
         self.admitted_requests = Counter("jaxllm_admitted", "Requests admitted", registry=r)
         self.rounds = Counter("jaxllm_rounds", "Rounds collected", registry=r)

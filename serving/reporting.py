@@ -64,6 +64,7 @@ class RequestView:
     queued_seconds: float | None = None  # arrival -> the first round carrying its prompt
     first_token_seconds: float | None = None  # arrival -> its first token handed to the handler
     first_written_seconds: float | None = None  # arrival -> the handler wrote its first chunk (streams)
+    nan_tokens: int = 0  # tokens drawn from nan logits (a numerical fault)
 
     def state(self) -> dict[str, Any]:
         """Its entry in /v1/state's "active"."""
@@ -131,6 +132,7 @@ def report_lines(r: RequestView, pool: PoolUse) -> list[str]:
             if r.first_token_seconds is not None
             else ""
         )
+        + (f" | NAN LOGITS: {r.nan_tokens} tok" if r.nan_tokens else "")
     ]
     if pool.recurrent_bytes:
         live = pool.live_sequences

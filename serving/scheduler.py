@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -158,6 +159,7 @@ class Active:
     decode_seconds: float = 0.0
     first_launch: float | None = None  # clock of the first round carrying its prompt
     first_token: float | None = None  # clock at which its first token was handed on
+    nan_tokens: int = 0  # tokens drawn from nan logits (a numerical fault; see `_on_tokens`)
     failed: bool = False
     fork_at: int | None = None  # n > 1: the other choices fork from choice 0 once it prefilled this many tokens
 
@@ -193,6 +195,7 @@ class Active:
             queued_seconds=_since(self.first_launch, self.job.arrived),
             first_token_seconds=_since(self.first_token, self.job.arrived),
             first_written_seconds=_since(self.job.output.first_written, self.job.arrived),
+            nan_tokens=self.nan_tokens,
             context=max((c.seq.length if c.seq is not None else 0) for c in self.choices),
         )
 
@@ -611,6 +614,14 @@ class Scheduler:
     # ---- tokens -> text -> frames ------------------------------------------------------
     def _on_tokens(self, a: Active, c: Choice, ev: Any) -> None:
         self.metrics.generated_tokens.inc(len(ev.tokens))
+        # A nan log-probability means the round's logits were nan: the token is whatever the
+        # sampler's argmax made of them, not the model's. Said once per request, and counted.
+        nan = sum(math.isnan(lp) for lp in ev.logprobs)
+        if nan:
+            if not a.nan_tokens:
+                log.error("serve %s: a token was drawn from nan logits (a numerical fault in the round)", a.job.id)
+            a.nan_tokens += nan
+            self.metrics.nan_tokens.inc(nan)
         if a.first_token is None and len(ev.tokens):
             a.first_token = self.clock()
             self.metrics.first_token_time.observe(a.first_token - a.job.arrived)

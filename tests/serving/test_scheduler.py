@@ -56,6 +56,7 @@ class FakeEngine:
         self.fail_next = False
         self.calls: list[str] = []
         self.token_offset: dict[int, int] = {}  # seq id -> shift of its tokens
+        self.nan_logits: set[int] = set()  # seq ids whose rounds give nan logits (a device fault)
 
     max_context = 1000
     draft_stats = None
@@ -144,7 +145,13 @@ class FakeEngine:
             reason = "length" if len(s.generated) >= s.params.max_tokens else None
             s.finish_reason = reason
             events.append(
-                SimpleNamespace(seq_id=s.id, tokens=[t], logprobs=[0.0], top_logprobs=[[]], finish_reason=reason)
+                SimpleNamespace(
+                    seq_id=s.id,
+                    tokens=[t],
+                    logprobs=[float("nan") if s.id in self.nan_logits else 0.0],
+                    top_logprobs=[[]],
+                    finish_reason=reason,
+                )
             )
         return events
 
@@ -642,6 +649,25 @@ def test_report_line_counts_the_request_own_pages(loop, caplog):
     assert "| ctx 7/1000 (1% full) | kv cache 2/64 pages (3% full)" in line, line
     assert "prefill 4 tok (0 cached)" in line and "decode 3 tok" in line
     assert len(engine.free_pages) == 64  # and back afterwards
+
+
+def test_tokens_from_nan_logits_are_logged_counted_and_flagged(loop, caplog):
+    """A round whose logits are nan (a numerical fault on the device; its tokens are not the
+    model's) is said once per request in the log, counted in /metrics and flagged on the
+    request's report line; a healthy request beside it is not."""
+    sched, engine, _ = make(Limits())
+    engine.nan_logits.add(0)  # the first sequence added
+    job(sched, loop, "sick", max_tokens=3)
+    job(sched, loop, "well", max_tokens=3)
+    with caplog.at_level("INFO", logger="jaxllm.serve"):
+        run_until_idle(sched)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("drawn from nan logits" in m for m in messages) == 1
+    assert any(m.startswith("serve sick: a token was drawn from nan logits") for m in messages)
+    (sick,) = [m for m in messages if m.startswith("serve sick: prefill")]
+    (well,) = [m for m in messages if m.startswith("serve well: prefill")]
+    assert sick.endswith("| NAN LOGITS: 3 tok") and "NAN" not in well
+    assert sched.metrics.nan_tokens._value.get() == 3
 
 
 def test_admission_counts_are_written_by_the_worker_thread_alone(loop):
