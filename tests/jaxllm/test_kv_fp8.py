@@ -12,10 +12,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tiny_configs import TINY_DENSE
 from jaxllm.attention.fused import fresh_causal_attention
 from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_attention_qkv
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference
-from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions
@@ -175,17 +175,7 @@ def test_kernel_from_the_projection_rounds_the_fresh_kv_through_the_pool():
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=64,
-    max_position=256,
-)
+TINY = TINY_DENSE
 ENGINE = EngineConfig(
     max_slots=4,
     kv_bytes=1 << 20,

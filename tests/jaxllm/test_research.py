@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tiny_configs import TINY_DENSE
 from jaxllm.api import Model
-from jaxllm.config import ModelConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.research import compare, frontier, make_tasks, pareto_front
 from jaxllm.research import metrics, tasks
@@ -22,17 +22,7 @@ from jaxllm.sampling import SamplingParams, sample, sampling_row
 from jaxllm.tokenizer import Tokenizer
 from compile_watch import compilations  # tests/ is on sys.path (conftest)
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=64,
-    max_position=512,
-)
+TINY = TINY_DENSE.replace(max_position=512)
 V = TINY.vocab_size
 
 

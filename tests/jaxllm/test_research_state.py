@@ -16,19 +16,9 @@ from jaxllm.research.compare import research_engine, run_rows
 from jaxllm.sampling import SamplingParams
 from jaxllm.sequence_state import SequenceState
 from jaxllm.tokenizer import Tokenizer
-from tiny_configs import TINY_DELTANET
+from tiny_configs import TINY_DELTANET, TINY_DENSE
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=64,
-    max_position=512,
-)
+TINY = TINY_DENSE.replace(max_position=512)
 HYBRID = ModelConfig(
     family="qwen3_next",
     vocab_size=96,

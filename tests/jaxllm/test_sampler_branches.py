@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.config import ModelConfig
+from tiny_configs import TINY_DENSE
 from jaxllm.engine import Engine, EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions
@@ -39,17 +39,7 @@ CASES = {
 }
 
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=64,
-    max_position=256,
-)
+TINY = TINY_DENSE
 
 
 @pytest.fixture(scope="module")

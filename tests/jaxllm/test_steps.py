@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tiny_configs import TINY_DENSE
 from jaxllm.attention import paged_decode_cpu
-from jaxllm.config import ModelConfig
 from jaxllm.engine import Engine, EngineConfig, EngineFull
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions
@@ -19,17 +19,7 @@ from jaxllm.sampling import SamplingParams, process_logits
 from jaxllm.state import empty_sampling
 from compile_watch import compilations  # tests/ is on sys.path (conftest)
 
-CFG = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=64,
-    max_position=256,
-)
+CFG = TINY_DENSE
 
 
 @pytest.fixture(scope="module")

@@ -12,23 +12,13 @@ import jax
 import pytest
 
 import serving.scheduler
-from jaxllm.config import ModelConfig
+from tiny_configs import TINY_DENSE
 from jaxllm.engine import Engine, EngineConfig, PromptAdvance
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
 from serving.scheduler import EngineLike
 
-CFG = ModelConfig(
-    family="llama",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=64,
-    max_position=256,
-)
+CFG = TINY_DENSE
 
 
 def protocol_members(proto: type) -> set[str]:
