@@ -18,7 +18,10 @@ serve_and_bench() {  # name, then `jaxllm serve` arguments
   echo $pid > /tmp/jaxllm-serve.pid
 }
 
-stop() { kill "$(cat /tmp/jaxllm-serve.pid)" 2>/dev/null; wait "$(cat /tmp/jaxllm-serve.pid)" 2>/dev/null; }
+stop() {  # name: also says how many tokens the server drew from nan logits (the report line's flag)
+  kill "$(cat /tmp/jaxllm-serve.pid)" 2>/dev/null; wait "$(cat /tmp/jaxllm-serve.pid)" 2>/dev/null
+  echo "$1: report lines flagging NAN LOGITS: $(grep -c 'NAN LOGITS' "$out/serve-$1.log")"
+}
 
 bench() {  # label, bench-serve args...
   local label=$1; shift
@@ -34,7 +37,7 @@ serve_and_bench llama3-8b --load-format dummy --model configs/llama3-8b.json --d
 bench 8b-single-1k --vocab-size 128256 --input-len 1000 --output-len 128 --concurrency 1 --num-prompts 4
 bench 8b-prefill-2k --vocab-size 128256 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts 4
 bench 8b-64x1k --vocab-size 128256 --input-len 1024 --output-len 1024 --concurrency 64 --num-prompts 128
-stop
+stop llama3-8b
 fi
 
 # The same server started again: XLA's persistent compilation cache (gpu.sh points it at
@@ -43,14 +46,14 @@ if [[ $cases == *restart* ]]; then
 serve_and_bench llama3-8b-restart --load-format dummy --model configs/llama3-8b.json --dtype bfloat16 --unroll-layers \
   --config configs/gpu-llama3-8b.toml || exit 1
 grep -h "warm-up:" "$out"/serve-llama3-8b*.log
-stop
+stop llama3-8b-restart
 fi
 
 if [[ $cases == *135m* ]]; then
 serve_and_bench smollm2 --load-format dummy --model configs/smollm2-135m.json --unroll-layers \
   --config configs/gpu-smollm2.toml || exit 1
 bench smollm2-single --vocab-size 49152 --input-len 128 --output-len 256 --concurrency 1 --num-prompts 4
-stop
+stop smollm2
 fi
 
 # The Qwen3-30B-A3B MoE shape (issue 18): single stream, a 2k prompt, 16 and 64 concurrent.
@@ -62,7 +65,7 @@ bench 30b-prefill-2k --vocab-size 151000 --input-len 2048 --output-len 1 --concu
 bench 30b-16x1k --vocab-size 151000 --input-len 1024 --output-len 256 --concurrency 16 --num-prompts 32
 bench 30b-64x1k --vocab-size 151000 --input-len 1024 --output-len 1024 --concurrency 64 --num-prompts 128
 grep -h "warm-up:" "$out"/serve-qwen3-30b.log
-stop
+stop qwen3-30b
 fi
 
 # The hybrid Qwen3.5-35B-A3B shape (issue 17): single stream, a 2k prompt, 16 and 64 concurrent
@@ -75,5 +78,5 @@ bench 35b-prefill-2k --vocab-size 248000 --input-len 2048 --output-len 1 --concu
 bench 35b-16x1k --vocab-size 248000 --input-len 1024 --output-len 256 --concurrency 16 --num-prompts 32
 bench 35b-64x1k --vocab-size 248000 --input-len 1024 --output-len 1024 --concurrency 64 --num-prompts 128
 grep -h "warm-up:" "$out"/serve-qwen3.5-35b.log
-stop
+stop qwen3.5-35b
 fi
