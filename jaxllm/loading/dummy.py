@@ -6,7 +6,9 @@ memory, and `out_shardings` can place (or shard) every leaf as it is created.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import os
 from typing import Any
 
 import jax
@@ -20,27 +22,58 @@ _NORM_LEAVES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "norm
 _STD = 0.02  # small enough that 100+ layers of residual adds stay finite in bfloat16
 
 
-# Leaves whose float32 draw is larger are drawn one leading-axis slice at a time (`lax.map`):
-# a 30B MoE's stacked experts (19 GB in bfloat16) drew 39 GB of float32 at once, and the
-# model did not fit an 80 GB card although its weights do.
+# A non-layer leaf whose float32 draw is larger (embedding, lm_head) is drawn in row blocks
+# (`lax.map`), and stacks of layers one layer at a time: a 30B MoE's stacked experts (19 GB in
+# bfloat16) drew 39 GB of float32 at once, and the model did not fit an 80 GB card although its
+# weights do.
 _SLICED_DRAW_BYTES = 1 << 30
-_NEVER_SLICED = 1 << 62
 
 
-def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool, sliced_bytes: int) -> jax.Array:
-    if norm:
-        return jnp.ones(shape, dtype)
-    if len(shape) > 1 and 4 * math.prod(shape) > sliced_bytes:
-        draw = lambda k: (_STD * jax.random.normal(k, shape[1:], jnp.float32)).astype(dtype)  # noqa: E731
-        return jax.lax.map(draw, jax.random.split(key, shape[0]))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return (_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _random_tree(key: jax.Array, cfg: ModelConfig, dtype: str, sliced_bytes: int) -> Params:
+def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool, per_layer: bool) -> jax.Array:
+    """One leaf's values; `per_layer`: a stack of layers, each layer drawn with its own key
+    (`_layer_keys`), so the unrolled loader draws the same values layer by layer."""
+    if norm:
+        return jnp.ones(shape, dtype)
+    if per_layer:
+        return jax.lax.map(lambda k: _random_layer(k, shape[1:], dtype, False), _layer_keys(key, shape[0]))
+    blocks = -(-4 * math.prod(shape) // _SLICED_DRAW_BYTES)
+    if len(shape) > 1 and blocks > 1:
+        rows = -(-shape[0] // blocks)
+        drawn = jax.lax.map(lambda k: _normal(k, (rows, *shape[1:]), dtype), jax.random.split(key, blocks))
+        return drawn.reshape(blocks * rows, *shape[1:])[: shape[0]]
+    return _normal(key, shape, dtype)
+
+
+def _random_layer(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool) -> jax.Array:
+    """One layer of a stack (drawn whole, whatever its size: a layer of a 30B's experts is
+    800 MB of float32)."""
+    return jnp.ones(shape, dtype) if norm else _normal(key, shape, dtype)
+
+
+def _layer_keys(key: jax.Array, n_layers: int) -> jax.Array:
+    return jax.random.split(key, n_layers)
+
+
+def _is_layer_leaf(path: tuple) -> bool:
+    """Whether a leaf of the canonical tree is a stack of layers (its axis 0 the layer)."""
+    return getattr(path[0], "name", None) == "layers"
+
+
+def _is_norm(path: tuple) -> bool:
+    return path[-1].name in _NORM_LEAVES
+
+
+def _random_tree(key: jax.Array, cfg: ModelConfig, dtype: str) -> Params:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
     keys = jax.random.split(key, len(leaves))
-    norm = [path[-1].name in _NORM_LEAVES for path, _ in leaves]
-    out = [_random_leaf(k, sds.shape, sds.dtype, n, sliced_bytes) for k, (_, sds), n in zip(keys, leaves, norm)]
+    out = [
+        _random_leaf(k, sds.shape, sds.dtype, _is_norm(path), _is_layer_leaf(path))
+        for k, (path, sds) in zip(keys, leaves)
+    ]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -74,39 +107,52 @@ def dummy_params(
     if out_shardings is not None:
         if unrolled:
             raise ValueError("dummy_params: unrolled layers are drawn unsharded")
-        tree = jax.jit(_random_tree, static_argnums=(1, 2, 3), out_shardings=out_shardings)
-        return tree(key, cfg, dtype, _SLICED_DRAW_BYTES)
-    # Unsharded: one leaf per call, so only one leaf's float32 draw is ever live (a 35B MoE's
-    # whole tree in one call asked for 126 GiB on a 141 GiB GPU); the same values as above.
+        tree = jax.jit(_random_tree, static_argnums=(1, 2), out_shardings=out_shardings)
+        return tree(key, cfg, dtype)
+    # Unsharded: one leaf (or one layer of a leaf) per call, so only one leaf's float32 draw
+    # is ever live (a 35B MoE's whole tree in one call asked for 126 GiB on a 141 GiB GPU);
+    # the same values as above.
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
     keys = jax.random.split(key, len(leaves))
-    leaf = jax.jit(_random_leaf, static_argnums=(1, 2, 3, 4))
-    out = []
-    for k, (path, sds) in zip(keys, leaves):
-        norm = path[-1].name in _NORM_LEAVES
-        if unrolled and _is_layer_leaf(path):
-            out.append(_layer_pieces(leaf, k, sds, norm))
-        else:
-            out.append(leaf(k, sds.shape, sds.dtype, norm, _SLICED_DRAW_BYTES))
+    plan = [_leaf_draws(k, path, sds, unrolled) for k, (path, sds) in zip(keys, leaves)]
+    if isinstance(key, jax.core.Tracer):  # under `jax.eval_shape` (shapes only): nothing to compile
+        draw = lambda call, k: call[0](k, *call[1:])  # noqa: E731
+    else:
+        compiled = _compile_ahead({call: k for draws in plan for call, k in draws})
+        draw = lambda call, k: compiled[call](k)  # noqa: E731
+    out: list[Any] = []
+    for (path, _), draws in zip(leaves, plan):
+        arrays = [draw(call, k) for call, k in draws]
+        out.append(arrays if unrolled and _is_layer_leaf(path) else arrays[0])
     params = jax.tree_util.tree_unflatten(treedef, out)
     return params.replace(layers=_unstacked(params.layers)) if unrolled else params
 
 
-def _is_layer_leaf(path: tuple) -> bool:
-    """Whether a leaf of the canonical tree is a stack of layers (its axis 0 the layer)."""
-    return getattr(path[0], "name", None) == "layers"
+_LEAF = jax.jit(_random_leaf, static_argnums=(1, 2, 3, 4))
+_LAYER = jax.jit(_random_layer, static_argnums=(1, 2, 3))
+_Call = tuple  # (_LEAF or _LAYER, its static arguments...): one compiled program
 
 
-def _layer_pieces(leaf: Any, key: jax.Array, sds: jax.ShapeDtypeStruct, norm: bool) -> list[jax.Array]:
-    """A stacked leaf's per-layer arrays, the values `_random_leaf` gives the stack: a leaf it
-    draws slice by slice is drawn here one layer at a time (same keys, never stacked); a
-    smaller one is drawn whole and sliced (it is transient and under `_SLICED_DRAW_BYTES`)."""
-    shape = sds.shape
-    if not norm and len(shape) > 1 and 4 * math.prod(shape) > _SLICED_DRAW_BYTES:
-        # Each slice drawn whole, as `_random_leaf`'s `lax.map` draws it.
-        return [leaf(k, shape[1:], sds.dtype, False, _NEVER_SLICED) for k in jax.random.split(key, shape[0])]
-    whole = leaf(key, shape, sds.dtype, norm, _SLICED_DRAW_BYTES)
-    return [whole[i] for i in range(shape[0])]
+def _leaf_draws(
+    key: jax.Array, path: tuple, sds: jax.ShapeDtypeStruct, unrolled: bool
+) -> list[tuple[_Call, jax.Array]]:
+    """The calls that draw one leaf: the leaf whole, or for unrolled layers one call per
+    layer with the stack's per-layer keys (the stack is never built)."""
+    norm, stack = _is_norm(path), _is_layer_leaf(path)
+    if unrolled and stack:
+        return [((_LAYER, sds.shape[1:], sds.dtype, norm), k) for k in _layer_keys(key, sds.shape[0])]
+    return [((_LEAF, sds.shape, sds.dtype, norm, stack), key)]
+
+
+def _compile_ahead(calls: dict[_Call, jax.Array]) -> dict[_Call, Any]:
+    """Each distinct draw (function and static arguments) compiled once, on a thread pool: a 35B's
+    tree has dozens of distinct leaf shapes, each its own XLA program, and compiling them one
+    after another was most of a dummy load (compiles release the GIL; lowering is Python, so
+    it runs here)."""
+    lowered = {call: call[0].lower(key, *call[1:]) for call, key in calls.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+        futures = {call: pool.submit(low.compile) for call, low in lowered.items()}
+        return {call: f.result() for call, f in futures.items()}
 
 
 def _unstacked(layers: Any) -> Any:
