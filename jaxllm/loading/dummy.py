@@ -1,7 +1,8 @@
 """Random params at a config's real shapes, generated on device (benchmarks, shape tests).
 
-Everything happens inside one jitted function so an 8B model never passes through host
-memory, and `out_shardings` can place (or shard) every leaf as it is created.
+Weights never pass through host memory: each leaf (or each layer of a stack of layers) is drawn
+by a compiled program on device, or with `out_shardings` the whole tree by one jitted function
+that places (or shards) every leaf as it is created.
 """
 
 from __future__ import annotations
