@@ -195,10 +195,11 @@ def test_plain_decode_calls_draw_what_full_ones_do(tiny_params):
         seqs = _run(engine, plain + ([forcing] if neighbour else []))
         results[neighbour] = [(s.generated, s.logprobs) for s in seqs[: len(plain)]]
         calls[neighbour] = {key[-1] for key in seen if key[0] == "decode"}
-    # Prompts are packed differently with the neighbour, so logprobs may differ in the last bits.
+    # Prompts are packed differently with the neighbour, so logprobs may differ in the last bits
+    # (of float32 logits in the tens: the weights are scaled x20).
     for (tokens, logprobs), (tokens_ref, logprobs_ref) in zip(results[True], results[False]):
         assert tokens == tokens_ref
-        np.testing.assert_allclose(logprobs, logprobs_ref, atol=1e-5)
+        np.testing.assert_allclose(logprobs, logprobs_ref, rtol=3e-5, atol=1e-5)
     assert calls == {False: {False}, True: {True}}  # plain calls alone, then full calls only
     assert len(set(results[False][1][0])) > 2
 
