@@ -34,15 +34,17 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return (_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool, per_layer: bool) -> jax.Array:
+def _random_leaf(
+    key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool, per_layer: bool, blocks: int
+) -> jax.Array:
     """One leaf's values; `per_layer`: a stack of layers, each layer drawn with its own key
-    (`_layer_keys`), so the unrolled loader draws the same values layer by layer."""
+    (`_layer_keys`), so the unrolled loader draws the same values layer by layer; else drawn in
+    `blocks` row blocks (`_row_blocks`: a static argument, so a jit never keeps a stale limit)."""
     if norm:
         return jnp.ones(shape, dtype)
     if per_layer:
         return jax.lax.map(lambda k: _random_layer(k, shape[1:], dtype, False), _layer_keys(key, shape[0]))
-    blocks = -(-4 * math.prod(shape) // _SLICED_DRAW_BYTES)
-    if len(shape) > 1 and blocks > 1:
+    if blocks > 1:
         rows = -(-shape[0] // blocks)
         drawn = jax.lax.map(lambda k: _normal(k, (rows, *shape[1:]), dtype), jax.random.split(key, blocks))
         return drawn.reshape(blocks * rows, *shape[1:])[: shape[0]]
@@ -53,6 +55,11 @@ def _random_layer(key: jax.Array, shape: tuple[int, ...], dtype: Any, norm: bool
     """One layer of a stack (drawn whole, whatever its size: a layer of a 30B's experts is
     800 MB of float32)."""
     return jnp.ones(shape, dtype) if norm else _normal(key, shape, dtype)
+
+
+def _row_blocks(shape: tuple[int, ...]) -> int:
+    """How many row blocks a non-layer leaf is drawn in (1: whole)."""
+    return -(-4 * math.prod(shape) // _SLICED_DRAW_BYTES) if len(shape) > 1 else 1
 
 
 def _layer_keys(key: jax.Array, n_layers: int) -> jax.Array:
@@ -72,7 +79,7 @@ def _random_tree(key: jax.Array, cfg: ModelConfig, dtype: str) -> Params:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))
     keys = jax.random.split(key, len(leaves))
     out = [
-        _random_leaf(k, sds.shape, sds.dtype, _is_norm(path), _is_layer_leaf(path))
+        _random_leaf(k, sds.shape, sds.dtype, _is_norm(path), _is_layer_leaf(path), _row_blocks(sds.shape))
         for k, (path, sds) in zip(keys, leaves)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -129,7 +136,7 @@ def dummy_params(
     return params.replace(layers=_unstacked(params.layers)) if unrolled else params
 
 
-_LEAF = jax.jit(_random_leaf, static_argnums=(1, 2, 3, 4))
+_LEAF = jax.jit(_random_leaf, static_argnums=(1, 2, 3, 4, 5))
 _LAYER = jax.jit(_random_layer, static_argnums=(1, 2, 3))
 _Call = tuple  # (_LEAF or _LAYER, its static arguments...): one compiled program
 
@@ -142,7 +149,7 @@ def _leaf_draws(
     norm, stack = _is_norm(path), _is_layer_leaf(path)
     if unrolled and stack:
         return [((_LAYER, sds.shape[1:], sds.dtype, norm), k) for k in _layer_keys(key, sds.shape[0])]
-    return [((_LEAF, sds.shape, sds.dtype, norm, stack), key)]
+    return [((_LEAF, sds.shape, sds.dtype, norm, stack, _row_blocks(sds.shape)), key)]
 
 
 def _compile_ahead(calls: dict[_Call, jax.Array]) -> dict[_Call, Any]:
