@@ -524,8 +524,9 @@ def utilisation(
     """MBU of decode and MFU of prefill and of the whole run, from the measured latencies.
 
     Approximations, stated in the report: a decode step of c concurrent requests reads the
-    weights once plus each request's K/V at its mean decode context (input + output / 2) and
-    lasts one TPOT; a prompt's prefill lasts its TTFT (so MFU of prefill is meaningful at
+    weights once (of a MoE's routed experts, those c uniformly routed tokens are expected to
+    touch) plus each request's K/V at its mean decode context (input + output / 2) and lasts
+    one TPOT; a prompt's prefill lasts its TTFT (so MFU of prefill is meaningful at
     concurrency 1, where no queueing is in it).
     """
     if not costs or not summary["successful_requests"]:
@@ -539,7 +540,7 @@ def utilisation(
     out: dict[str, Any] = {"concurrency": c, "peak_GBps": args.peak_bandwidth, "peak_TFLOPs": args.peak_tflops}
     tpot = summary["tpot_ms"]["p50"]
     if tpot:
-        step_bytes = model.decode_step_bytes(c * ctx)  # weights once, every stream's K/V
+        step_bytes = model.decode_step_bytes(c * ctx, rows=c)  # weights (experts c tokens touch), every K/V
         out["decode_mbu"] = step_bytes / (tpot / 1e3) / (args.peak_bandwidth * 1e9)
     ttft = summary["ttft_ms"]["p50"]
     prefill = model.prefill_flops(n_in)

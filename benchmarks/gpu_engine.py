@@ -252,7 +252,7 @@ def main() -> None:
         tok_s = slots * args.steps / per_call
         step_s = per_call / args.steps
         # Mean context over the timed calls: the prompt plus the ~(1 + 5 * 3) calls' steps so far.
-        mbu = costs.decode_step_bytes(slots * (ctx + 8 * args.steps)) / step_s / 4.3e12
+        mbu = costs.decode_step_bytes(slots * (ctx + 8 * args.steps), rows=slots) / step_s / 4.3e12
         results.update(
             {f"c_decode_tok_s_{slots}x1k": tok_s, f"c_step_ms{sfx}": step_s * 1e3, f"c_mbu{sfx}": mbu, "c_context": ctx}
         )

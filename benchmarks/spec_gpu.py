@@ -25,6 +25,7 @@ import numpy as np
 
 from benchmarks.gpu_engine import decode_seconds_per_call, engine_config, engine_for, prefill
 from jaxllm.config import load_config_json
+from jaxllm.costs import model_costs
 from jaxllm.engine import Engine
 from jaxllm.loading import runtime_layout
 from jaxllm.loading.dummy import dummy_params
@@ -129,12 +130,17 @@ def main() -> None:
             eng.step()
         verify_s, emitted = rounds_per_second(eng, 20)  # emitted: tokens a round
         ratio = verify_s / plain_s
+        # What the verification's forward must read against a plain step (a MoE's 1 + k rows
+        # route to more experts; the drafts' MTP passes are on top of this).
+        costs = model_costs(cfg, params, opts)
+        floor = costs.decode_step_bytes(args.context, rows=k + 1) / costs.decode_step_bytes(args.context)
         gains = {a: (1 - a ** (k + 1)) / (1 - a) / ratio for a in (0.6, 0.8)}
         print(
             f"VERIFY {name} batch 1: plain step {plain_s * 1e3:.2f} ms (1 step a call; {multi_s * 1e3:.2f} ms at "
             f"{args.steps} a call), verify 1+{k} {verify_s * 1e3:.2f} ms ({emitted:.2f} tokens a round): "
             f"{ratio:.2f}x a plain step; speed-up at 60% / 80% acceptance {gains[0.6]:.2f}x / {gains[0.8]:.2f}x "
-            f"(against {args.steps}-step calls: {gains[0.6] * multi_s / plain_s:.2f}x / {gains[0.8] * multi_s / plain_s:.2f}x)",
+            f"(against {args.steps}-step calls: {gains[0.6] * multi_s / plain_s:.2f}x / {gains[0.8] * multi_s / plain_s:.2f}x); "
+            f"weights read: {floor:.2f}x a plain step's",
             flush=True,
         )
         eng = None

@@ -8,6 +8,7 @@ and the server (which publishes them in /v1/state for `benchmarks/bench_serve.py
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -19,18 +20,30 @@ from jaxllm.state import kv_bytes_per_page
 
 @dataclasses.dataclass(frozen=True)
 class ModelCosts:
-    # Bytes of weights one decode step reads: every weight except the input embedding table,
-    # of which a step reads one row per token (a tied table is read whole by the LM head).
-    # For MoE models this counts every expert: an upper bound at batch 1.
+    # Bytes of weights a decode step of the whole batch reads if every routed expert is
+    # touched: every weight except the input embedding table, of which a step reads one row per
+    # token (a tied table is read whole by the LM head), and except an MTP head (only drafting
+    # reads it). `decode_step_bytes` takes off the experts a step's rows do not route to.
     step_weight_bytes: int
     kv_bytes_per_position: int  # K and V of one position, all layers
     layer_flops_per_token: int  # 2 x layer weights a token multiplies (MoE: only routed experts)
     head_flops_per_token: int  # the LM head, paid only by tokens that sample (not prompt tokens)
     attention_flops_per_pair: int  # QK^T and PV of one (query, key) pair, all layers
+    # MoE: the routed experts' share of step_weight_bytes (every layer, every expert), and the
+    # routing (0 for dense models, and from servers that predate these fields).
+    expert_weight_bytes: int = 0
+    n_experts: int = 0
+    experts_per_token: int = 0
 
-    def decode_step_bytes(self, context_positions: float) -> float:
-        """Bytes a decode step reads with `context_positions` cached positions in all."""
-        return self.step_weight_bytes + self.kv_bytes_per_position * context_positions
+    def decode_step_bytes(self, context_positions: float, rows: int = 1) -> float:
+        """Bytes a step of `rows` token rows (decoding sequences, or a verification's positions)
+        reads with `context_positions` cached positions in all: the weights, with only the
+        experts `rows` uniformly routed tokens are expected to touch, plus the K/V."""
+        weights = float(self.step_weight_bytes)
+        if self.n_experts:
+            touched = expected_distinct_experts(self.n_experts, self.experts_per_token, rows) / self.n_experts
+            weights -= self.expert_weight_bytes * (1 - touched)
+        return weights + self.kv_bytes_per_position * context_positions
 
     def prefill_flops(self, prompt_len: int) -> float:
         """FLOPs of prefilling one causal prompt of `prompt_len` tokens."""
@@ -49,9 +62,9 @@ class ModelCosts:
 
 def model_costs(cfg: ModelConfig, params: Params, opts: RuntimeOptions) -> ModelCosts:
     """Costs from the params' real sizes and dtypes (host metadata only, no device reads)."""
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    embed = params.embed.size * params.embed.dtype.itemsize
-    step_bytes = total - embed if params.lm_head is not None else total
+    total = _bytes(params)
+    embed = _bytes(params.embed) if params.lm_head is not None else 0
+    step_bytes = total - embed - (_bytes(params.mtp) if params.mtp is not None else 0)
     if cfg.is_moe:
         dense_ffn = cfg.n_experts_per_token * 3 * cfg.d_model * cfg.moe_ffn_dim + cfg.d_model * cfg.n_experts
     else:
@@ -63,4 +76,33 @@ def model_costs(cfg: ModelConfig, params: Params, opts: RuntimeOptions) -> Model
         layer_flops_per_token=2 * cfg.n_layers * (attn + dense_ffn),
         head_flops_per_token=2 * cfg.vocab_size * cfg.d_model,
         attention_flops_per_pair=4 * cfg.n_layers * cfg.n_heads * cfg.head_dim,
+        expert_weight_bytes=_routed_expert_bytes(params.layers) if cfg.is_moe else 0,
+        n_experts=cfg.n_experts,
+        experts_per_token=cfg.n_experts_per_token,
     )
+
+
+def _bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+_EXPERT_MATRICES = {"w_gate", "w_up", "w_down", "w_gate_up"}
+
+
+def _routed_expert_bytes(layers: Any) -> int:
+    """Bytes of the routed experts' matrices (`MoeParams.w_gate/w_up/w_down`, or their fused
+    runtime form) in every layer; a shared expert (`mlp.shared`) is read by every token."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(layers)[0]:
+        names = [getattr(k, "name", None) for k in path]
+        after_mlp = names[names.index("mlp") + 1] if "mlp" in names[:-1] else None
+        if after_mlp in _EXPERT_MATRICES:
+            total += leaf.size * leaf.dtype.itemsize
+    return total
+
+
+def expected_distinct_experts(n_experts: int, per_token: int, tokens: int) -> float:
+    """Experts of one layer that a round of `tokens` tokens touches when each token routes to
+    `per_token` of `n_experts` uniformly at random (random weights route about so; a trained
+    model's consecutive tokens share more): n (1 - (1 - k / n)^t)."""
+    return n_experts * (1 - (1 - per_token / n_experts) ** tokens)
