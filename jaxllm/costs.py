@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from jaxllm.config import ModelConfig
-from jaxllm.params import Params
+from jaxllm.params import MoeParams, Params
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.state import kv_bytes_per_page
 
@@ -86,19 +86,11 @@ def _bytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-_EXPERT_MATRICES = {"w_gate", "w_up", "w_down", "w_gate_up"}
-
-
 def _routed_expert_bytes(layers: Any) -> int:
-    """Bytes of the routed experts' matrices (`MoeParams.w_gate/w_up/w_down`, or their fused
-    runtime form) in every layer; a shared expert (`mlp.shared`) is read by every token."""
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(layers)[0]:
-        names = [getattr(k, "name", None) for k in path]
-        after_mlp = names[names.index("mlp") + 1] if "mlp" in names[:-1] else None
-        if after_mlp in _EXPERT_MATRICES:
-            total += leaf.size * leaf.dtype.itemsize
-    return total
+    """Bytes of the routed experts' matrices (`MoeParams.w_gate/w_up/w_down`) in every layer;
+    a shared expert (`MoeParams.shared`) is read by every token, so it is not among them."""
+    moe = [m for m in jax.tree.leaves(layers, is_leaf=lambda x: isinstance(x, MoeParams)) if isinstance(m, MoeParams)]
+    return sum(_bytes((m.w_gate, m.w_up, m.w_down)) for m in moe)
 
 
 def expected_distinct_experts(n_experts: int, per_token: int, tokens: int) -> float:

@@ -19,19 +19,7 @@ from jaxllm.tokenizer import Tokenizer
 from tiny_configs import TINY_DELTANET, TINY_DENSE
 
 TINY = TINY_DENSE.replace(max_position=512)
-HYBRID = ModelConfig(
-    family="qwen3_next",
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=64,
-    max_position=512,
-    layer_types=("linear_attention", "full_attention"),
-    **TINY_DELTANET,
-)
+HYBRID = TINY.replace(family="qwen3_next", layer_types=("linear_attention", "full_attention"), **TINY_DELTANET)
 IDS = [5, 17, 33, 2, 60, 61, 9, 40, 12, 77, 3, 8, 19, 23]
 P = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, ignore_eos=True)
 
