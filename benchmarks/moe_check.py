@@ -201,7 +201,30 @@ PREFILL_SWEEP = [
 ]
 
 
-SWEEP_SETS = {"decode": SWEEP, "prefill": PREFILL_SWEEP}
+# Decode rounds again, knobs together: the batch-1 step's expert kernels ran at 63-66% of the
+# H100's bandwidth (docs/lab/server-rows-and-first-tokens.md section 13), with few programs in
+# flight per SM; narrower column tiles (more programs), deeper pipelines and fewer warps.
+DECODE_GRID_SWEEP = [
+    (),
+    (("gu_block_n", 16),),
+    (("gu_block_n", 16), ("num_warps", 2)),
+    (("gu_block_n", 16), ("gu_block_k", 256), ("num_warps", 2)),
+    (("gu_block_n", 64),),
+    (("gu_block_n", 64), ("num_stages", 5)),
+    (("gu_block_k", 256),),
+    (("gu_block_k", 256), ("num_stages", 3)),
+    (("num_stages", 6),),
+    (("num_warps", 2),),
+    (("dn_block_n", 32),),
+    (("dn_block_n", 32), ("num_warps", 2)),
+    (("dn_block_n", 32), ("dn_block_k", 128)),
+    (("dn_block_n", 128), ("dn_block_k", 32)),
+    (("gu_block_n", 16), ("dn_block_n", 32), ("num_warps", 2), ("num_stages", 5)),
+    (),  # the defaults again, last: their two figures bound the run's drift
+]
+
+
+SWEEP_SETS = {"decode": SWEEP, "prefill": PREFILL_SWEEP, "decode-grid": DECODE_GRID_SWEEP}
 
 
 def main() -> None:
