@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxllm.api import Model
 from jaxllm.config import load_config_json
-from jaxllm.engine import EngineConfig
+from jaxllm.engine_config import EngineConfig
 from jaxllm.engine_runs import run_rows
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions

@@ -185,7 +185,7 @@ class EngineRun:
 
 def engine_config(model: Any, concurrency: int, args: argparse.Namespace) -> Any:
     """An EngineConfig sized for `concurrency` streams of prompt + decode tokens."""
-    from jaxllm.engine import EngineConfig
+    from jaxllm.engine_config import EngineConfig
     from jaxllm.state import kv_bytes_per_page
 
     defaults = EngineConfig()

@@ -27,7 +27,7 @@ from jaxllm.constrained import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from jaxllm.engine import EngineConfig
+from jaxllm.engine_config import EngineConfig
 from jaxllm.sampling import SamplingParams
 
 PERSON = {

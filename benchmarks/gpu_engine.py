@@ -21,7 +21,8 @@ import numpy as np
 
 from jaxllm.config import load_config_json
 from jaxllm.costs import model_costs
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading import runtime_layout
 from jaxllm.model.kernel_choice import debug_overrides
 from jaxllm.loading.dummy import dummy_params

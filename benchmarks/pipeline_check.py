@@ -20,7 +20,8 @@ import numpy as np
 
 from jaxllm.config import load_config_json
 from jaxllm.runtime_options import RuntimeOptions
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading import runtime_layout
 from jaxllm.loading.dummy import dummy_params
 

@@ -15,7 +15,8 @@ import dataclasses
 import time
 
 from jaxllm.api import load
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.sampling import SamplingParams
 
 PARAGRAPH = (

@@ -17,8 +17,9 @@ import numpy as np
 
 from jaxllm.chat_template import tokenize_chat
 from jaxllm.config import ModelConfig
-from jaxllm.engine import Engine, EngineConfig
-from jaxllm.engine import Sequence as EngineSequence
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
+from jaxllm.engine_records import Sequence as EngineSequence
 from jaxllm.engine_runs import Completion, kv_bytes, round_up
 from jaxllm.loading import load_model
 from jaxllm.model.forward import lm_head

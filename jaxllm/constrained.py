@@ -2,7 +2,7 @@
 
 A `Grammar` is an llguidance grammar definition, compiled and validated once per request
 for one tokenizer (JSON schema, any JSON object, or a forced Hermes `<tool_call>`). A
-`GrammarConstraint` is the per-sequence matcher state behind `jaxllm.engine.TokenConstraint`:
+`GrammarConstraint` is the per-sequence matcher state behind `jaxllm.engine_records.TokenConstraint`:
 the engine asks it for the allowed-token bitmask of each round in which the sequence draws a
 token, and feeds every drawn token back with `advance`.
 
@@ -139,7 +139,7 @@ def compile_grammar(adapter: TokenizerAdapter, source: str, kind: str) -> Gramma
 
 
 class GrammarConstraint:
-    """One sequence's grammar state; implements `jaxllm.engine.TokenConstraint`.
+    """One sequence's grammar state; implements `jaxllm.engine_records.TokenConstraint`.
 
     Not thread-safe: built on a request thread, then used by the engine's thread only.
     """

@@ -7,25 +7,37 @@ N+1 before collecting round N: decode tokens live in the state on the device, an
 stopped on the device simply skip later rounds, so nothing waits on the host.
 
 Host bookkeeping (which slot holds which sequence, which pages it owns, how far its prompt
-has been prefilled) lives in plain Python objects here; the device state never needs to be
-read to plan a round.
+has been prefilled) lives in plain Python objects here and in `jaxllm.engine_records`; the
+device state never needs to be read to plan a round.
+
+The engine's configuration is `jaxllm.engine_config.EngineConfig`; its warm-up (compiling
+every round shape before the first request) is `jaxllm.engine_warmup`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
-import os
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxllm import samplers_extra, steps
+from jaxllm import engine_warmup, samplers_extra, steps
 from jaxllm.config import ModelConfig
+from jaxllm.engine_config import VERIFY_COST_STEPS, EngineConfig
+from jaxllm.engine_records import (
+    DraftStats,
+    PausedSequence,
+    PromptAdvance,
+    Round,
+    RoundPlan,
+    Sequence,
+    TokenConstraint,
+    TokenEvent,
+)
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.model.kernel_choice import plain_sampler_pays
 from jaxllm.params import Params
@@ -34,259 +46,8 @@ from jaxllm.speculative import DraftControl, NgramIndex, prompt_lookup
 from jaxllm.state import SeqCheckpoint, StateLayout, layout_for_budget, page_row, pages_bucket
 
 
-# A verification round of 1 + 3 tokens a sequence, in steps of a plain multi-step decode
-# call, by backend and model kind (`EngineConfig.verify_cost`), as measured
-# (docs/benchmarks.md, docs/lab/spec-load.md, docs/lab/hybrid-h200.md): GPU dense on the 8B,
-# GPU MoE on the 35B-A3B shape with its MTP head drafting (four tokens route to ~4x the
-# experts one does, and the head drafts three times), CPU on the SmolLM2-135M shape (bound by
-# arithmetic, so dearer at width); the CPU's MoE cost is not measured apart.
-# Values: (at one decoding sequence, at several).
-VERIFY_COST_STEPS: dict[tuple[str, bool], tuple[float, float]] = {
-    ("gpu", False): (1.94, 2.0),
-    ("gpu", True): (4.01, 4.01),
-    ("cpu", False): (2.07, 3.8),
-    ("cpu", True): (2.07, 3.8),
-}
-
-
 class EngineFull(RuntimeError):
     """No free slot or not enough free pages right now (the caller should wait)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    max_slots: int = 8
-    kv_bytes: int = 256 << 20
-    max_seq_len: int = 2048
-    page_size: int = 16
-    # Padding to the bucket is compute thrown away (a CPU prefill is compute-bound): each bucket
-    # at most doubles the one below (the 256 bucket's gain: docs/lab/2026-12.md).
-    chunk_buckets: tuple[int, ...] = (32, 128, 256, 512)
-    min_ctx_pages: int = 8
-    decode_steps_per_call: int = 4
-    # Widths of a round's decode part (slots [0, width) ); rounds use the smallest that
-    # covers every decoding slot, so a lone request does not pay for idle slots. Each width
-    # multiplies the compiled variants; () means just max_slots.
-    decode_widths: tuple[int, ...] = ()
-    # The narrowest decode part of rounds that carry a prompt chunk (0 = no floor). Chunk
-    # rounds then compile only for widths >= this, not for every width x chunk bucket: with
-    # max_slots it is one width, and the 8B server's warm-up compiles 24 variants instead of
-    # 30. The extra decode rows are a few percent of a chunk round's tokens.
-    chunk_decode_width: int = 0
-    # Prompts a round's chunk may carry side by side (packed prefill). Each segment is a
-    # window of the chunk bucket's length in attention, so this multiplies its cost on the
-    # reference path; worth it where fused attention runs (GPU), 1 elsewhere.
-    chunk_segments: int = 1
-    # Threads compiling shape variants during warm-up (XLA compiles release the GIL); 0 = one
-    # per CPU core.
-    compile_threads: int = 0
-    # Whether warm-up also runs every compiled round once, on idle inputs (None: where the
-    # default backend is not the CPU). On a GPU an executable's first run pays once-only
-    # costs (loading its kernels, recording its command buffers, each `lax.cond` branch's
-    # first pass), which would otherwise fall on the first request of each round shape; on
-    # the CPU there are none worth the seconds the runs take.
-    warmup_runs: bool | None = None
-    # The research samplers (jaxllm.samplers_extra: typical, epsilon, eta, top-nσ, DRY, XTC,
-    # mirostat, user logits processors) get per-slot rows in the state; off, they cost nothing.
-    extra_samplers: bool = False
-    # The user functions requests may name as `SamplingParams.logits_processor` (traced into
-    # the rounds, so fixed per engine); needs extra_samplers.
-    logits_processors: tuple[Callable, ...] = ()
-    # Speculative decoding: drafts verified per decoding sequence and round (0 = off). Each
-    # round then feeds up to this many + 1 tokens per sequence (`jaxllm.steps.verify`).
-    max_drafts: int = 0
-    # Batch-invariant rounds: a sequence's logits are bitwise the same whatever else is in the
-    # batch (docs/research.md, "Batch-invariant mode"). Every decode token is computed by one
-    # program (all `max_slots` rows, `decode_steps_per_call` steps, the largest context
-    # bucket, the full sampler, XLA's dot: no C++ matvec); every prompt token by one chunk
-    # program (the largest chunk bucket within max_seq_len, one prompt, chunks aligned to
-    # multiples of that size, the context bucket of the chunk's end), alternating with decode
-    # calls; no drafts. A prefix checkpoint counts only up to a chunk boundary (`add`). Costs:
-    # decode rows padded to every slot and the whole context, prompts padded to the chunk, no
-    # overlap of prefill and decode, no speculative decoding (docs/research.md).
-    batch_invariant: bool = False
-    # A verification round's cost in steps of a plain multi-step decode call, which decides
-    # whether drafts pay (`Engine._verify_pays`); None: the figure measured on the default
-    # backend for the model's kind, dense or MoE (`VERIFY_COST_STEPS`).
-    verify_cost: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_slots", "page_size", "decode_steps_per_call", "chunk_segments"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.max_drafts <= 16:
-            raise ValueError(f"max_drafts must be in [0, 16], got {self.max_drafts}")
-        if self.verify_cost is not None and self.verify_cost <= 0:
-            raise ValueError(f"verify_cost must be > 0, got {self.verify_cost}")
-        if (
-            not self.chunk_buckets
-            or list(self.chunk_buckets) != sorted(set(self.chunk_buckets))
-            or self.chunk_buckets[0] < 1
-        ):
-            raise ValueError(f"chunk_buckets must be positive and ascending, got {list(self.chunk_buckets)}")
-
-    def widths(self) -> tuple[int, ...]:
-        return tuple(sorted({w for w in self.decode_widths if 0 < w < self.max_slots} | {self.max_slots}))
-
-    def chunk_widths(self) -> tuple[int, ...]:
-        """The decode widths a round with a prompt chunk can have."""
-        return tuple(w for w in self.widths() if w >= min(self.chunk_decode_width, self.max_slots))
-
-    def verify_widths(self) -> tuple[int, ...]:
-        """The widths a verification round can have: the smallest decode width (a lone
-        sequence's rounds, where drafts pay most) and every slot; each one compiles."""
-        return tuple(sorted({self.widths()[0], self.max_slots}))
-
-
-@dataclasses.dataclass
-class Sequence:
-    """Host view of one sequence in a slot."""
-
-    id: int
-    slot: int
-    prompt: list[int]
-    params: SamplingParams
-    pages: list[int]
-    seed: int = 0  # the u32 the sampler's keys derive from; kept so a resumed sequence matches
-    prefilled: int = 0
-    generated: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    entropies: list[float] = dataclasses.field(default_factory=list)  # research engines only
-    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    constraint: TokenConstraint | None = None
-    dispatched: int = 0  # decode steps dispatched (may run ahead of `generated`)
-    # Prompt positions the caller wants to extract a prefix at (`add(stops=...)`); a launch's
-    # plan names those its chunk crossed.
-    extract_at: list[int] = dataclasses.field(default_factory=list)
-    # Prompt positions where a prompt chunk must end: a recurrent state exists only where a
-    # round stopped, so prefix-cache checkpoints of hybrid models are taken there.
-    stops: list[int] = dataclasses.field(default_factory=list)
-    # Hybrid models, when the caller wants prompt[:-1] (an exact repeat's checkpoint): instead
-    # of a stop there (and a one-token round after it) the chunk that ends the prompt keeps
-    # the state at len(prompt) - 1 in the side row (`ChunkBatch.seg_side`).
-    side_point: int | None = None
-    drafting: DraftControl | None = None  # None: this sequence does not draft
-    lookup: NgramIndex | None = None  # its prompt-lookup index (`Engine._lookup`)
-    verifying: int = 0  # tokens an in-flight verification round may emit (collect settles it)
-    mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the head's drafts for the next round
-
-    @property
-    def position_bound(self) -> int:
-        """Upper bound of the positions written on the device, in-flight rounds included."""
-        return min(self.prefilled, len(self.prompt)) + self.dispatched
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled >= len(self.prompt) and self.finish_reason is None
-
-    @property
-    def awaiting_host(self) -> bool:
-        """A constrained sequence whose drawn tokens are not all collected: its next mask
-        needs them, so it sits out rounds launched before that collect."""
-        drawn = self.dispatched + 1  # the first token comes with the last prompt chunk
-        return (self.constraint is not None and len(self.generated) < drawn) or self.verifying > 0
-
-    @property
-    def fully_dispatched(self) -> bool:
-        """Rounds already launched draw all of its `max_tokens`: another round would only
-        burn a decode call on a finished slot (and delay whatever is queued behind it)."""
-        return self.dispatched + 1 >= self.params.max_tokens
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.generated)
-
-
-class TokenConstraint(Protocol):
-    """Host-side grammar state of a constrained sequence (structured output, forced tools)."""
-
-    def allowed_bitmask(self) -> np.ndarray:
-        """[ceil(V/32)] u32: bit v%32 of word v//32 set where token v may come next."""
-        ...
-
-    def advance(self, token: int) -> None:
-        """Consumes a drawn token."""
-        ...
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-    """New tokens of one sequence from one collected round."""
-
-    seq_id: int
-    tokens: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    finish_reason: str | None
-
-
-@dataclasses.dataclass
-class PausedSequence:
-    """A sequence taken out of the engine: its state slice plus host bookkeeping."""
-
-    checkpoint: SeqCheckpoint
-    sequence: Sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptAdvance:
-    """One prompt's part of a round's chunk: positions [start, end) are prefilled by it."""
-
-    seq_id: int
-    start: int
-    end: int
-    crossed: tuple[int, ...]  # the sequence's `extract_at` points in (start, end]
-    ends_prompt: bool  # the chunk ends the prompt: the sequence draws its first token
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundPlan:
-    """What `launch` planned, so a caller never diffs the sequences to learn it."""
-
-    prompts: tuple[PromptAdvance, ...] = ()  # the prompt chunk's members, oldest first
-    decoding: tuple[int, ...] = ()  # ids of the sequences that draw tokens without a chunk
-    steps: int = 1  # decode steps run one after another in the call
-    multi: bool = False  # the output has a leading step axis (several steps or a verification)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(p.end - p.start for p in self.prompts)
-
-    @property
-    def completes_prompts(self) -> bool:
-        return any(p.ends_prompt for p in self.prompts)
-
-
-@dataclasses.dataclass
-class Round:
-    """A launched round: outputs still on the device, plus what the host planned."""
-
-    output: steps.StepOutput
-    seqs: dict[int, Sequence]  # slot -> sequence as of dispatch
-    plan: RoundPlan
-    drafts: dict[int, int] = dataclasses.field(default_factory=dict)  # slot -> drafts verified
-
-
-@dataclasses.dataclass
-class DraftStats:
-    """Speculative decoding since start: drafts verified and accepted at each draft position."""
-
-    max_drafts: int
-    proposed: np.ndarray = dataclasses.field(init=False)  # [K] drafts verified at position j
-    accepted: np.ndarray = dataclasses.field(init=False)  # [K] of them accepted
-
-    def __post_init__(self) -> None:
-        self.proposed = np.zeros((self.max_drafts,), np.int64)
-        self.accepted = np.zeros((self.max_drafts,), np.int64)
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed[:proposed] += 1
-        self.accepted[:accepted] += 1
-
-    def acceptance(self) -> list[float | None]:
-        """Acceptance rate per draft position (None where nothing was drafted there yet)."""
-        return [None if p == 0 else float(a / p) for p, a in zip(self.proposed, self.accepted)]
 
 
 class Engine:
@@ -572,148 +333,10 @@ class Engine:
                 return out
             pages = pages_bucket(pages + 1, self.layout.max_pages_per_seq)
 
-    def _round_variants(self) -> list[tuple[tuple, Callable[[], Any]]]:
-        """(key, lowering thunk) for every round shape `launch` can ask for."""
-        B = self.layout.max_slots
-        idle = steps.round_inputs(B, self.cfg.vocab_size)
-        if self.config.batch_invariant:
-            return self._invariant_variants(idle)
-        out: list[tuple[tuple, Callable[[], Any]]] = []
-        n = self.config.decode_steps_per_call
-        for ctx, width in itertools.product(self.ctx_buckets(), self.config.widths()):
-            chunk_sizes = list(self.config.chunk_buckets) if width in self.config.chunk_widths() else []
-            for size in [0] + chunk_sizes:
-                chunk_len = max(size, 1)
-                out.append(
-                    (
-                        ("step", chunk_len, ctx, width),
-                        lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width: steps.step.lower(
-                            self.params,
-                            self.state,
-                            idle,
-                            self._idle_chunk(size),
-                            cfg=self.cfg,
-                            opts=self.options,
-                            chunk_len=chunk_len,
-                            n_ctx_pages=ctx,
-                            decode_width=width,
-                        ),
-                    )
-                )
-            samplers = (True, False) if plain_sampler_pays(self.options) else (True,)
-            for full in samplers if self.config.max_drafts and width in self.config.verify_widths() else ():
-                out.append(
-                    (
-                        ("verify", self.config.max_drafts, ctx, width, full),
-                        lambda ctx=ctx, width=width, full=full: steps.verify.lower(
-                            self.params,
-                            self.state,
-                            idle,
-                            self._no_drafts(),
-                            cfg=self.cfg,
-                            opts=self.options,
-                            n_ctx_pages=ctx,
-                            decode_width=width,
-                            full_sampler=full,
-                        ),
-                    )
-                )
-            for full in samplers if n > 1 else ():
-                out.append(
-                    (
-                        ("decode", n, ctx, width, full),
-                        lambda ctx=ctx, width=width, full=full: steps.decode_steps.lower(
-                            self.params,
-                            self.state,
-                            idle,
-                            cfg=self.cfg,
-                            opts=self.options,
-                            n_steps=n,
-                            n_ctx_pages=ctx,
-                            decode_width=width,
-                            full_sampler=full,
-                        ),
-                    )
-                )
-        return out
-
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compiles every shape variant before the first request; returns how many.
-
-        `progress(done, total)` is called as each variant is ready (from this thread).
-
-        Round variants are lowered here and compiled ahead of time on a thread pool (an
-        unrolled 8B step takes seconds of XLA time each, and compiles release the GIL); rounds
-        then call the compiled executables directly. The small sequence moves (set / release /
-        extract / insert) are warmed by running them on slot 0, which leaves the state as it
-        was. Must be called before any sequence is added.
-        """
-        if self.seqs:
-            raise RuntimeError("warmup must run on an empty engine")
-        variants = self._round_variants()
-        page_counts = sorted(
-            {
-                pages_bucket(1 << i, self.layout.max_pages_per_seq)
-                for i in range(self.layout.max_pages_per_seq.bit_length() + 1)
-            }
-        )
-        total, done = len(variants) + len(page_counts), 0
-        report = progress or (lambda done, total: None)
-        report(0, total)
-        threads = self.config.compile_threads or os.cpu_count() or 1
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-            # Lowering traces Python (GIL-bound) so it runs here, feeding compiles to the pool.
-            futures = {pool.submit(lower().compile): key for key, lower in variants}
-            for f in concurrent.futures.as_completed(futures):
-                self._compiled[futures[f]] = f.result()
-                done += 1
-                report(done, total)
-        count = len(variants)
-        runs = self.config.warmup_runs
-        if runs or (runs is None and jax.default_backend() != "cpu"):
-            self._run_idle_rounds()
-        # Checkpoints come in every power-of-two page count (`extract`): a prefix-cache entry
-        # of any length, a paused request of any length, must not compile while serving.
-        for n_pages in page_counts:
-            ckpt = steps.extract(self.state, np.int32(0), np.int32(0), n_pages=n_pages)
-            self.state = steps.insert(self.state, np.int32(0), ckpt)
-            count += 1
-            done += 1
-            report(done, total)
-        row = self._sampling_row(SamplingParams(), np.uint32(0), [])
-        self.state = steps.set_slot(self.state, np.int32(0), np.asarray(page_row([], self.layout)), row)
-        self.state = steps.release_slot(self.state, np.int32(0))
-        jax.block_until_ready(self.state)
-        return count
-
-    def _run_idle_rounds(self) -> None:
-        """Runs every compiled round once with nothing decoding (see EngineConfig.warmup_runs).
-
-        Idle rounds touch only the trash row and the trash page, so the state stays as it
-        was. A chunk round runs twice: as a fresh prompt and as one continuing after cached
-        context, the two branches of its chunk attention, both on the trash row.
-        """
-        B = self.layout.max_slots
-        idle = steps.round_inputs(B, self.cfg.vocab_size)
-        for key, compiled in self._compiled.items():
-            if key[0] == "decode":
-                self.state, _ = compiled(self.params, self.state, idle)
-                continue
-            if key[0] == "verify":
-                self.state, _ = compiled(self.params, self.state, idle, self._no_drafts())
-                continue
-            size = key[1] if key[1] in self.config.chunk_buckets else 0
-            self.state, _ = compiled(self.params, self.state, idle, self._idle_chunk(size))
-            if size:
-                chunk = self._idle_chunk(size)
-                chunk.positions[:] = np.minimum(np.arange(1, size + 1), self.layout.max_seq_len - 1)
-                chunk.seg_slot[0], chunk.seg_len[0] = B, size  # the trash row, after one cached position
-                self.state, _ = compiled(self.params, self.state, idle, chunk)
-        jax.block_until_ready(self.state)
-
-    def _no_drafts(self) -> steps.Drafts:
-        B = self.layout.max_slots
-        return steps.Drafts(tokens=np.zeros((B, self.config.max_drafts), np.int32), count=np.zeros((B,), np.int32))
+        """Compiles every shape variant before the first request; returns how many
+        (`jaxllm.engine_warmup.warmup`, which says how). Must run on an empty engine."""
+        return engine_warmup.warmup(self, progress)
 
     def _idle_chunk(self, size: int) -> steps.ChunkBatch:
         B = self.layout.max_slots
@@ -1031,47 +654,6 @@ class Engine:
         """The batch-invariant mode's one chunk size: the largest bucket within the context."""
         buckets = self.config.chunk_buckets
         return next((b for b in reversed(buckets) if b <= self.layout.max_seq_len), buckets[0])
-
-    def _invariant_variants(self, idle: steps.RoundInputs) -> list[tuple[tuple, Callable[[], Any]]]:
-        """The round shapes of the batch-invariant mode: the chunk program at each context
-        bucket, and the one decode program."""
-        size, width = self._invariant_chunk(), self.config.chunk_widths()[0]
-        n, B = self.config.decode_steps_per_call, self.layout.max_slots
-        out: list[tuple[tuple, Callable[[], Any]]] = [
-            (
-                ("step", size, ctx, width),
-                lambda ctx=ctx: steps.step.lower(
-                    self.params,
-                    self.state,
-                    idle,
-                    self._idle_chunk(size),
-                    cfg=self.cfg,
-                    opts=self.options,
-                    chunk_len=size,
-                    n_ctx_pages=ctx,
-                    decode_width=width,
-                ),
-            )
-            for ctx in self.ctx_buckets()
-        ]
-        ctx = self.layout.max_pages_per_seq
-        out.append(
-            (
-                ("decode", n, ctx, B, True),
-                lambda: steps.decode_steps.lower(
-                    self.params,
-                    self.state,
-                    idle,
-                    cfg=self.cfg,
-                    opts=self.options,
-                    n_steps=n,
-                    n_ctx_pages=ctx,
-                    decode_width=B,
-                    full_sampler=True,
-                ),
-            )
-        )
-        return out
 
     def _chunk_members(self, budget: int) -> list[tuple[Sequence, int]]:
         """Which prompts the next chunk carries, oldest first, and how many tokens of each.

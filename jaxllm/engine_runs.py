@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxllm.config import ModelConfig
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.state import kv_bytes_per_page
 

@@ -109,7 +109,7 @@ class WorkerView:
     prefix_cache: dict[str, Any]
     sessions: dict[str, Any]
     compilations: int
-    draft_stats: Any = None  # jaxllm.engine.DraftStats, or None without drafting
+    draft_stats: Any = None  # jaxllm.engine_records.DraftStats, or None without drafting
     expert_tokens: np.ndarray | None = None
 
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxllm.engine import DraftStats, RoundPlan
+from jaxllm.engine_records import DraftStats, RoundPlan
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
 from serving import faults

@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from jaxllm.engine import EngineConfig
+from jaxllm.engine_config import EngineConfig
 from serving.tool_calls import FORMATS
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from jaxllm.api import Model
 from jaxllm.config import ModelConfig
-from jaxllm.engine import EngineConfig
+from jaxllm.engine_config import EngineConfig
 from jaxllm.engine_runs import kv_bytes, run_rows
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions

@@ -18,7 +18,7 @@ from jaxllm.constrained import (
     tool_call_grammar,
     tokenizer_adapter,
 )
-from jaxllm.engine import EngineConfig
+from jaxllm.engine_config import EngineConfig
 from jaxllm.sampling import SamplingParams
 from jaxllm.tokenizer import Tokenizer
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxllm.config import load_config_json
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.orbax_io import load_orbax_model, restore_pytree, save_model, save_pytree
 from jaxllm.params import layout_params, param_shapes

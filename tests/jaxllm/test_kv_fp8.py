@@ -16,7 +16,8 @@ from tiny_configs import TINY_DENSE
 from jaxllm.attention.fused import fresh_causal_attention
 from jaxllm.attention.paged_decode import paged_decode_attention, paged_decode_attention_qkv
 from jaxllm.attention.reference import Windows, paged_attention, paged_decode_reference
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.loading.orbax_io import restore_pytree, save_pytree

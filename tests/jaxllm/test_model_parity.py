@@ -17,7 +17,8 @@ import pytest
 
 from hf_tiny import make_tiny_hf_model
 from jaxllm.api import prompt_logits
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading import load_model
 from jaxllm.sampling import SamplingParams
 from jaxllm.runtime_options import RuntimeOptions

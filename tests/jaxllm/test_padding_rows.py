@@ -22,7 +22,8 @@ import pytest
 
 from tiny_configs import TINY_DENSE, TINY_HYBRID_MOE, TINY_MOE
 from jaxllm.config import ModelConfig
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.params import layout_params
 from jaxllm.runtime_options import RuntimeOptions

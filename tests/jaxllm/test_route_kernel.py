@@ -11,7 +11,8 @@ import pytest
 from tiny_configs import TINY_HYBRID_MOE, TINY_MOE
 from jaxllm.api import prompt_logits
 from jaxllm.config import ModelConfig
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.model.kernel_choice import ROUTE_KERNEL_MAX_ROWS, route_kernel_choice
 from jaxllm.model.layers import expert_counts, route

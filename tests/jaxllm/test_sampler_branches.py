@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tiny_configs import TINY_DENSE
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.sampling import (

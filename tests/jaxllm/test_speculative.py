@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.engine import Engine, EngineConfig
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
 from jaxllm.speculative import DraftControl, NgramIndex, prompt_lookup

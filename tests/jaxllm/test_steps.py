@@ -11,7 +11,9 @@ import pytest
 
 from tiny_configs import TINY_DENSE
 from jaxllm.attention import paged_decode_cpu
-from jaxllm.engine import Engine, EngineConfig, EngineFull
+from jaxllm.engine import Engine, EngineFull
+from jaxllm.engine_config import EngineConfig
+from jaxllm.engine_warmup import round_variants
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.model import matvec_cpu
@@ -238,7 +240,7 @@ def test_no_recompilation_after_warmup(params):
     # with chunk rounds at every width (counted, not compiled).
     every_width = make_engine(params, **{**WARM_SHAPES, "chunk_decode_width": 0})
     n_ctx = len(engine.ctx_buckets())
-    assert len(engine._round_variants()) == len(every_width._round_variants()) - 4 * n_ctx
+    assert len(round_variants(engine)) == len(round_variants(every_width)) - 4 * n_ctx
 
 
 def test_one_context_bucket_still_warms_every_checkpoint_size(params):

@@ -13,7 +13,9 @@ import pytest
 
 import serving.scheduler
 from tiny_configs import TINY_DENSE
-from jaxllm.engine import Engine, EngineConfig, PromptAdvance
+from jaxllm.engine import Engine
+from jaxllm.engine_config import EngineConfig
+from jaxllm.engine_records import PromptAdvance
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.sampling import SamplingParams
 from serving.scheduler import EngineLike

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxllm.engine import PromptAdvance, RoundPlan
+from jaxllm.engine_records import PromptAdvance, RoundPlan
 from jaxllm.prefix_cache import PrefixCache
 from jaxllm.sampling import SamplingParams
 from serving.metrics import Metrics

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxllm.config import load_config_json
-from jaxllm.engine import EngineConfig
+from jaxllm.engine_config import EngineConfig
 from jaxllm.runtime_options import RuntimeOptions
 from jaxllm.state import kv_bytes_per_page, layout_for_budget
 from serving.settings import EngineShape, derive_engine, load_settings, parse_settings
