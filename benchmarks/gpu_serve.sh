@@ -81,9 +81,9 @@ grep -h "warm-up:" "$out"/serve-qwen3.5-35b.log
 stop qwen3.5-35b
 fi
 
-# The 35B shape's server started again (run after `qwen35`: the persistent compilation cache
+# The 35B shape's server started again (`q35warm`, run after `qwen35`: the persistent compilation cache
 # then holds every variant): a warm restart's ready time against issue 17's 90 s.
-if [[ $cases == *q35restart* ]]; then
+if [[ $cases == *q35warm* ]]; then
 serve_and_bench qwen3.5-35b-restart --load-format dummy --model ${Q35_CONFIG:-configs/qwen3.5-35b-a3b.json} --dtype bfloat16 \
   --unroll-layers --config configs/gpu-qwen3.5-35b.toml || exit 1
 grep -h "warm-up:" "$out"/serve-qwen3.5-35b*.log | cut -c1-200
