@@ -99,16 +99,8 @@ def round_variants(engine: Engine) -> list[tuple[tuple, Callable[[], Any]]]:
             out.append(
                 (
                     ("step", chunk_len, ctx, width),
-                    lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width: steps.step.lower(
-                        engine.params,
-                        engine.state,
-                        idle,
-                        engine._idle_chunk(size),
-                        cfg=engine.cfg,
-                        opts=engine.options,
-                        chunk_len=chunk_len,
-                        n_ctx_pages=ctx,
-                        decode_width=width,
+                    lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width: _lower_step(
+                        engine, idle, size, chunk_len, ctx, width
                     ),
                 )
             )
@@ -134,17 +126,7 @@ def round_variants(engine: Engine) -> list[tuple[tuple, Callable[[], Any]]]:
             out.append(
                 (
                     ("decode", n, ctx, width, full),
-                    lambda ctx=ctx, width=width, full=full: steps.decode_steps.lower(
-                        engine.params,
-                        engine.state,
-                        idle,
-                        cfg=engine.cfg,
-                        opts=engine.options,
-                        n_steps=n,
-                        n_ctx_pages=ctx,
-                        decode_width=width,
-                        full_sampler=full,
-                    ),
+                    lambda ctx=ctx, width=width, full=full: _lower_decode(engine, idle, n, ctx, width, full),
                 )
             )
     return out
@@ -158,17 +140,7 @@ def _invariant_variants(engine: Engine, idle: steps.RoundInputs) -> list[tuple[t
     out: list[tuple[tuple, Callable[[], Any]]] = [
         (
             ("step", size, ctx, width),
-            lambda ctx=ctx: steps.step.lower(
-                engine.params,
-                engine.state,
-                idle,
-                engine._idle_chunk(size),
-                cfg=engine.cfg,
-                opts=engine.options,
-                chunk_len=size,
-                n_ctx_pages=ctx,
-                decode_width=width,
-            ),
+            lambda ctx=ctx: _lower_step(engine, idle, size, size, ctx, width),
         )
         for ctx in engine.ctx_buckets()
     ]
@@ -176,20 +148,41 @@ def _invariant_variants(engine: Engine, idle: steps.RoundInputs) -> list[tuple[t
     out.append(
         (
             ("decode", n, ctx, B, True),
-            lambda: steps.decode_steps.lower(
-                engine.params,
-                engine.state,
-                idle,
-                cfg=engine.cfg,
-                opts=engine.options,
-                n_steps=n,
-                n_ctx_pages=ctx,
-                decode_width=B,
-                full_sampler=True,
-            ),
+            lambda: _lower_decode(engine, idle, n, ctx, B, True),
         )
     )
     return out
+
+
+def _lower_step(engine: Engine, idle: steps.RoundInputs, size: int, chunk_len: int, ctx: int, width: int) -> Any:
+    """`steps.step` lowered for a round with a chunk of `size` idle rows (0: none) padded to
+    `chunk_len`, `ctx` context pages and a decode part of `width` slots."""
+    return steps.step.lower(
+        engine.params,
+        engine.state,
+        idle,
+        engine._idle_chunk(size),
+        cfg=engine.cfg,
+        opts=engine.options,
+        chunk_len=chunk_len,
+        n_ctx_pages=ctx,
+        decode_width=width,
+    )
+
+
+def _lower_decode(engine: Engine, idle: steps.RoundInputs, n: int, ctx: int, width: int, full: bool) -> Any:
+    """`steps.decode_steps` lowered for a call of `n` steps (`full`: with the full sampler)."""
+    return steps.decode_steps.lower(
+        engine.params,
+        engine.state,
+        idle,
+        cfg=engine.cfg,
+        opts=engine.options,
+        n_steps=n,
+        n_ctx_pages=ctx,
+        decode_width=width,
+        full_sampler=full,
+    )
 
 
 def _run_idle_rounds(engine: Engine) -> None:
