@@ -201,9 +201,9 @@ PREFILL_SWEEP = [
 ]
 
 
-# Decode rounds again, knobs together: the batch-1 step's expert kernels ran at 63-66% of the
-# H100's bandwidth (docs/lab/server-rows-and-first-tokens.md section 13), with few programs in
-# flight per SM; narrower column tiles (more programs), deeper pipelines and fewer warps.
+# Decode rounds, knobs together (SWEEP moves one at a time): narrower column tiles (more
+# programs in flight), deeper pipelines, fewer warps. The defaults run first and last, so
+# their two figures bound the run's drift (results: docs/lab/server-rows-and-first-tokens.md).
 DECODE_GRID_SWEEP = [
     (),
     (("gu_block_n", 16),),
@@ -220,7 +220,7 @@ DECODE_GRID_SWEEP = [
     (("dn_block_n", 32), ("dn_block_k", 128)),
     (("dn_block_n", 128), ("dn_block_k", 32)),
     (("gu_block_n", 16), ("dn_block_n", 32), ("num_warps", 2), ("num_stages", 5)),
-    (),  # the defaults again, last: their two figures bound the run's drift
+    (),
 ]
 
 

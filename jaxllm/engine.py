@@ -420,21 +420,15 @@ class Engine:
             s.dispatched += 1
         chunk_len = int(chunk.tokens.shape[0]) if n_prompt else 1
         ctx, width = self._ctx_pages(ctx_needed), self._decode_width(decoding, chunk=bool(n_prompt))
-        compiled = self._compiled.get(("step", chunk_len, ctx, width))
-        if compiled is not None:
-            self.state, out = compiled(self.params, self.state, inputs, chunk)
-        else:
-            self.state, out = steps.step(
-                self.params,
-                self.state,
-                inputs,
-                chunk,
-                cfg=self.cfg,
-                opts=self.options,
-                chunk_len=chunk_len,
-                n_ctx_pages=ctx,
-                decode_width=width,
-            )
+        out = self._run_round(
+            ("step", chunk_len, ctx, width),
+            steps.step,
+            inputs,
+            chunk,
+            chunk_len=chunk_len,
+            n_ctx_pages=ctx,
+            decode_width=width,
+        )
         return Round(output=out, seqs=snapshot, plan=RoundPlan(prompts=prompts, decoding=_ids(decoding)))
 
     @staticmethod
@@ -538,21 +532,15 @@ class Engine:
         d = steps.Drafts(tokens=tokens, count=count)
         top = max((s.slot for s in decoding), default=-1) + 1
         width = next(w for w in self.config.verify_widths() if w >= top)
-        compiled = self._compiled.get(("verify", K, ctx, width, full))
-        if compiled is not None:
-            self.state, out = compiled(self.params, self.state, inputs, d)
-        else:
-            self.state, out = steps.verify(
-                self.params,
-                self.state,
-                inputs,
-                d,
-                cfg=self.cfg,
-                opts=self.options,
-                n_ctx_pages=ctx,
-                decode_width=width,
-                full_sampler=full,
-            )
+        out = self._run_round(
+            ("verify", K, ctx, width, full),
+            steps.verify,
+            inputs,
+            d,
+            n_ctx_pages=ctx,
+            decode_width=width,
+            full_sampler=full,
+        )
         return Round(
             output=out,
             seqs=snapshot,
@@ -599,21 +587,15 @@ class Engine:
             # The context bucket of the chunk's aligned end: the same for this chunk of this
             # prompt whatever prompt (longer, or a cache hit) computes it.
             ctx, width = self._ctx_pages(start - start % size + size), self.config.chunk_widths()[0]
-            compiled = self._compiled.get(("step", size, ctx, width))
-            if compiled is not None:
-                self.state, out = compiled(self.params, self.state, inputs, chunk)
-            else:
-                self.state, out = steps.step(
-                    self.params,
-                    self.state,
-                    inputs,
-                    chunk,
-                    cfg=self.cfg,
-                    opts=self.options,
-                    chunk_len=size,
-                    n_ctx_pages=ctx,
-                    decode_width=width,
-                )
+            out = self._run_round(
+                ("step", size, ctx, width),
+                steps.step,
+                inputs,
+                chunk,
+                chunk_len=size,
+                n_ctx_pages=ctx,
+                decode_width=width,
+            )
             return Round(output=out, seqs=snapshot, plan=RoundPlan(prompts=prompts))
         self._last_round = "decode"
         n, ctx, B = self.config.decode_steps_per_call, self.layout.max_pages_per_seq, self.layout.max_slots
@@ -633,22 +615,27 @@ class Engine:
         full: bool,
     ) -> Round:
         """A decode call of `n` steps at one static shape: the warmed-up executable, or `jit`."""
-        compiled = self._compiled.get(("decode", n, ctx, width, full))
-        if compiled is not None:
-            self.state, out = compiled(self.params, self.state, inputs)
-        else:
-            self.state, out = steps.decode_steps(
-                self.params,
-                self.state,
-                inputs,
-                cfg=self.cfg,
-                opts=self.options,
-                n_steps=n,
-                n_ctx_pages=ctx,
-                decode_width=width,
-                full_sampler=full,
-            )
+        out = self._run_round(
+            ("decode", n, ctx, width, full),
+            steps.decode_steps,
+            inputs,
+            n_steps=n,
+            n_ctx_pages=ctx,
+            decode_width=width,
+            full_sampler=full,
+        )
         return Round(output=out, seqs=snapshot, plan=RoundPlan(decoding=_ids(decoding), steps=n, multi=True))
+
+    def _run_round(self, key: tuple, step_fn: Callable[..., Any], *inputs: Any, **shape: Any) -> steps.StepOutput:
+        """Runs one round on the state: the executable warm-up compiled for `key`, else
+        `step_fn` under jit with the static `shape` arguments that `key` stands for (the same
+        ones `engine_warmup.round_variants` lowers it with)."""
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self.state, out = compiled(self.params, self.state, *inputs)
+        else:
+            self.state, out = step_fn(self.params, self.state, *inputs, cfg=self.cfg, opts=self.options, **shape)
+        return out
 
     def _invariant_chunk(self) -> int:
         """The batch-invariant mode's one chunk size: the largest bucket within the context."""

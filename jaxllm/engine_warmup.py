@@ -99,8 +99,14 @@ def round_variants(engine: Engine) -> list[tuple[tuple, Callable[[], Any]]]:
             out.append(
                 (
                     ("step", chunk_len, ctx, width),
-                    lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width: _lower_step(
-                        engine, idle, size, chunk_len, ctx, width
+                    lambda size=size, chunk_len=chunk_len, ctx=ctx, width=width: _lower(
+                        engine,
+                        steps.step,
+                        idle,
+                        engine._idle_chunk(size),
+                        chunk_len=chunk_len,
+                        n_ctx_pages=ctx,
+                        decode_width=width,
                     ),
                 )
             )
@@ -109,13 +115,11 @@ def round_variants(engine: Engine) -> list[tuple[tuple, Callable[[], Any]]]:
             out.append(
                 (
                     ("verify", engine.config.max_drafts, ctx, width, full),
-                    lambda ctx=ctx, width=width, full=full: steps.verify.lower(
-                        engine.params,
-                        engine.state,
+                    lambda ctx=ctx, width=width, full=full: _lower(
+                        engine,
+                        steps.verify,
                         idle,
                         _no_drafts(engine),
-                        cfg=engine.cfg,
-                        opts=engine.options,
                         n_ctx_pages=ctx,
                         decode_width=width,
                         full_sampler=full,
@@ -126,7 +130,15 @@ def round_variants(engine: Engine) -> list[tuple[tuple, Callable[[], Any]]]:
             out.append(
                 (
                     ("decode", n, ctx, width, full),
-                    lambda ctx=ctx, width=width, full=full: _lower_decode(engine, idle, n, ctx, width, full),
+                    lambda ctx=ctx, width=width, full=full: _lower(
+                        engine,
+                        steps.decode_steps,
+                        idle,
+                        n_steps=n,
+                        n_ctx_pages=ctx,
+                        decode_width=width,
+                        full_sampler=full,
+                    ),
                 )
             )
     return out
@@ -140,7 +152,15 @@ def _invariant_variants(engine: Engine, idle: steps.RoundInputs) -> list[tuple[t
     out: list[tuple[tuple, Callable[[], Any]]] = [
         (
             ("step", size, ctx, width),
-            lambda ctx=ctx: _lower_step(engine, idle, size, size, ctx, width),
+            lambda ctx=ctx: _lower(
+                engine,
+                steps.step,
+                idle,
+                engine._idle_chunk(size),
+                chunk_len=size,
+                n_ctx_pages=ctx,
+                decode_width=width,
+            ),
         )
         for ctx in engine.ctx_buckets()
     ]
@@ -148,41 +168,18 @@ def _invariant_variants(engine: Engine, idle: steps.RoundInputs) -> list[tuple[t
     out.append(
         (
             ("decode", n, ctx, B, True),
-            lambda: _lower_decode(engine, idle, n, ctx, B, True),
+            lambda: _lower(
+                engine, steps.decode_steps, idle, n_steps=n, n_ctx_pages=ctx, decode_width=B, full_sampler=True
+            ),
         )
     )
     return out
 
 
-def _lower_step(engine: Engine, idle: steps.RoundInputs, size: int, chunk_len: int, ctx: int, width: int) -> Any:
-    """`steps.step` lowered for a round with a chunk of `size` idle rows (0: none) padded to
-    `chunk_len`, `ctx` context pages and a decode part of `width` slots."""
-    return steps.step.lower(
-        engine.params,
-        engine.state,
-        idle,
-        engine._idle_chunk(size),
-        cfg=engine.cfg,
-        opts=engine.options,
-        chunk_len=chunk_len,
-        n_ctx_pages=ctx,
-        decode_width=width,
-    )
-
-
-def _lower_decode(engine: Engine, idle: steps.RoundInputs, n: int, ctx: int, width: int, full: bool) -> Any:
-    """`steps.decode_steps` lowered for a call of `n` steps (`full`: with the full sampler)."""
-    return steps.decode_steps.lower(
-        engine.params,
-        engine.state,
-        idle,
-        cfg=engine.cfg,
-        opts=engine.options,
-        n_steps=n,
-        n_ctx_pages=ctx,
-        decode_width=width,
-        full_sampler=full,
-    )
+def _lower(engine: Engine, step_fn: Any, *inputs: Any, **shape: Any) -> Any:
+    """`step_fn` (a jitted round of `jaxllm.steps`) lowered on the engine's params and state
+    for the static `shape` arguments, as `Engine._run_round` would call it."""
+    return step_fn.lower(engine.params, engine.state, *inputs, cfg=engine.cfg, opts=engine.options, **shape)
 
 
 def _run_idle_rounds(engine: Engine) -> None:
