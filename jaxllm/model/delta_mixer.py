@@ -43,6 +43,14 @@ class Segments:
     # [R] bool: also keep its state after all but its last token (for the side row); None
     # for decode rows
     side: jax.Array | None = None
+    # The rows are the batch's first R, one token each (decode windows: `TokenBatch.decode`'s
+    # window i is row i): read and written as slices, not as a gather and a scatter, which on
+    # the GPU are kernels of their own in every layer of a decode step.
+    leading: bool = struct.field(pytree_node=False, default=False)
+
+    def take(self, a: jax.Array) -> jax.Array:
+        """The segments' rows of a [T, ...] array of the round: [R, Tw, ...]."""
+        return a[: self.rows.shape[0], None] if self.leading else a[self.rows]
 
 
 def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segments, Segments | None]:
@@ -54,6 +62,7 @@ def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segme
         rows=d.start[:, None],
         valid=(d.length > 0)[:, None],
         lengths=d.length,
+        leading=True,
     )
     c = batch.chunks
     if not c.slot.shape[0]:
@@ -99,7 +108,7 @@ def _rule_inputs(
     Hk, Hv, Dk = cfg.linear_n_k_heads, cfg.linear_n_v_heads, cfg.linear_k_dim
     # Padding positions read other rows of the batch (idle ones among them); zeroed, whatever
     # those hold (a non-finite value times a zero beta would still be nan in the WY form).
-    x = jnp.where(seg.valid[..., None], qkv[seg.rows].astype(jnp.float32), 0.0)  # [R, Tw, C]
+    x = jnp.where(seg.valid[..., None], seg.take(qkv).astype(jnp.float32), 0.0)  # [R, Tw, C]
     y, conv = causal_conv(x, conv0, p.conv.astype(jnp.float32), seg.lengths)
     if snapshots:  # the window after j + 1 tokens: the last Kc - 1 inputs of (window ++ x[:j + 1])
         both = jnp.concatenate([conv0.astype(jnp.float32), x], axis=1)
@@ -111,9 +120,9 @@ def _rule_inputs(
     q = jnp.repeat(q.reshape(R, Tw, Hk, Dk), Hv // Hk, axis=2)
     k = jnp.repeat(k.reshape(R, Tw, Hk, Dk), Hv // Hk, axis=2)
     v = v.reshape(R, Tw, Hv, cfg.linear_v_dim)
-    beta = jax.nn.sigmoid(b[seg.rows].astype(jnp.float32))
+    beta = jax.nn.sigmoid(seg.take(b).astype(jnp.float32))
     decay = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(
-        a[seg.rows].astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
+        seg.take(a).astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
     )
     # Padding positions must leave the delta-rule matrix as it is.
     beta = jnp.where(seg.valid[..., None], beta, 0.0)
@@ -277,13 +286,17 @@ def delta_mixer(
             assert seg.side is not None  # `round_segments` gives chunk segments theirs
             out, delta, side_delta = _advance_keeping_side(inputs, d0, seg.lengths, seg.side, chunk_kernel)
             deltas.append(delta)
-            x_rows = qkv[seg.rows].astype(jnp.float32)
+            x_rows = seg.take(qkv).astype(jnp.float32)
             side_rows.append((_side_windows(x_rows, conv_all[seg.slots], seg.lengths), side_delta))
         else:
             out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots, kernel=chunk_kernel)
             deltas.append(delta)
-        rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
-        core = core.at[rows].set(out, mode="drop")
+        if seg.leading:  # one token each, rows [0, R): dead windows' rows stay zero
+            rows_out = jnp.where(seg.valid[..., None, None], out, 0.0)[:, 0].astype(core.dtype)
+            core = rows_out if rows_out.shape[0] == T else lax.dynamic_update_slice_in_dim(core, rows_out, 0, axis=0)
+        else:
+            rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
+            core = core.at[rows].set(out, mode="drop")
         convs.append(conv)
     for conv, delta in side_rows:  # after every segment's own rows (`hybrid._targets`)
         convs.append(conv)
