@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/jaxllm-profile")
     ap.add_argument("--decode-matmul", default="auto", choices=["auto", "xla"])
     ap.add_argument("--sampler-branches", default="auto", choices=["auto", "cond", "select"])
+    ap.add_argument("--batch", type=int, default=1, help="decode steps of this many sequences (slots)")
     ap.add_argument("--layers", type=int, default=0, help="keep this many layers (0: the config's)")
     ap.add_argument("--explain", action="store_true", help="name what each top fusion computes (HLO dump)")
     ap.add_argument(
@@ -163,8 +164,9 @@ def main() -> None:
     if args.verify:
         profile_verify(cfg, opts, params, args)
         return
-    eng = engine_for(cfg, opts, params, slots=1, max_seq_len=2048, chunk=1024, steps=args.steps)
-    prefill(eng, [np.random.default_rng(0).integers(0, cfg.vocab_size, CTX).tolist()], max_tokens=1000)
+    eng = engine_for(cfg, opts, params, slots=args.batch, max_seq_len=2048, chunk=1024, steps=args.steps)
+    rng = np.random.default_rng(0)
+    prefill(eng, [rng.integers(0, cfg.vocab_size, CTX).tolist() for _ in range(args.batch)], max_tokens=1000)
     for _ in range(3):  # warm: every decode shape of the traced calls is compiled
         jax.block_until_ready(eng.launch().output)
     shutil.rmtree(args.out + "/raw", ignore_errors=True)
@@ -175,7 +177,7 @@ def main() -> None:
     wall = time.perf_counter() - t
     jax.profiler.stop_trace()
     n_steps = args.calls * args.steps
-    print(f"{args.config} {args.dtype}: {wall / n_steps * 1e3:.3f} ms/step traced ({args.steps} steps per call)")
+    print(f"{args.config} {args.dtype} batch {args.batch}: {wall / n_steps * 1e3:.3f} ms/step traced ({args.steps} steps per call)")
     trace = sorted(glob.glob(args.out + "/raw/**/*.trace.json.gz", recursive=True))[-1]
     shutil.copy(trace, args.out + "/trace.json.gz")
     summarize(trace, n_steps, args.top)
