@@ -120,6 +120,12 @@ def pair_blocks(top_e: jax.Array) -> Blocks:
     return Blocks(None, flat, jnp.full((1,), T * k, jnp.int32), None, rows_per_block=1, row_div=k, n_blocks=T * k)
 
 
+# Up to this many (token, expert) pairs (a 64-row decode round of top-8), `grouped_blocks` lays
+# rows out by counting ([P, P] and [rows, P] comparisons); beyond, by sorting (prompt rounds,
+# whose pairs would make those comparisons quadratic).
+COUNTING_LAYOUT_MAX_PAIRS = 512
+
+
 def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int, valid: jax.Array | None = None) -> Blocks:
     """Pairs sorted by expert, each expert's rows padded to a multiple of block_m.
 
@@ -138,17 +144,12 @@ def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int, valid: jax.Ar
     if valid is not None:  # idle pairs go to a virtual expert E that gets no blocks
         flat = jnp.where(jnp.repeat(valid, k), flat, E)
     n_blocks = -(-(P + min(E, P) * (block_m - 1)) // block_m)
-    sizes = jnp.zeros((E + 1,), jnp.int32).at[flat].add(1)
-    n_exp_blocks = ((sizes + block_m - 1) // block_m).at[E].set(0)
-    block_end = jnp.cumsum(n_exp_blocks)
-    first_row = (block_end - n_exp_blocks) * block_m  # [E + 1] each expert's first kernel row
-    first_row = first_row.at[E].set(n_blocks * block_m)  # idle pairs: past every kernel row
-    order = jnp.argsort(flat, stable=True)  # sorted position -> pair
-    sorted_e = flat[order]
-    group_start = jnp.cumsum(sizes) - sizes
-    row_of_sorted = first_row[sorted_e] + jnp.arange(P, dtype=jnp.int32) - group_start[sorted_e]
-    out_row = jnp.zeros((P,), jnp.int32).at[order].set(row_of_sorted)
-    rows = jnp.zeros((n_blocks * block_m,), jnp.int32).at[row_of_sorted].set(order // k, mode="drop")
+    if P <= COUNTING_LAYOUT_MAX_PAIRS:
+        row_of_pair, block_end = _rows_by_counting(flat, E, block_m)
+        out_row = jnp.where(flat < E, row_of_pair, n_blocks * block_m)
+        rows = on_kernel_rows(out_row, jnp.arange(P, dtype=jnp.int32) // k, n_blocks * block_m)
+    else:
+        out_row, rows, block_end = _rows_by_sorting(flat, E, block_m, n_blocks, k)
     block_end = block_end[:E]
     # "compare_all": one fusion. The default bisection is a while loop, and each trip of a
     # while loop on the GPU waits for its predicate on the host (docs/lab/moe-h200.md).
@@ -165,6 +166,54 @@ def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int, valid: jax.Ar
         row_div=1,
         n_blocks=n_blocks,
     )
+
+
+def _rows_by_sorting(
+    flat: jax.Array, E: int, block_m: int, n_blocks: int, k: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`grouped_blocks`' rows by a stable sort of the pairs by expert (prompt rounds):
+    (out_row [P], rows [n_blocks * block_m], block_end [E + 1])."""
+    P = flat.shape[0]
+    sizes = jnp.zeros((E + 1,), jnp.int32).at[flat].add(1)
+    n_exp_blocks = ((sizes + block_m - 1) // block_m).at[E].set(0)
+    block_end = jnp.cumsum(n_exp_blocks)
+    first_row = (block_end - n_exp_blocks) * block_m  # [E + 1] each expert's first kernel row
+    first_row = first_row.at[E].set(n_blocks * block_m)  # idle pairs: past every kernel row
+    order = jnp.argsort(flat, stable=True)  # sorted position -> pair
+    sorted_e = flat[order]
+    group_start = jnp.cumsum(sizes) - sizes
+    row_of_sorted = first_row[sorted_e] + jnp.arange(P, dtype=jnp.int32) - group_start[sorted_e]
+    out_row = jnp.zeros((P,), jnp.int32).at[order].set(row_of_sorted)
+    rows = jnp.zeros((n_blocks * block_m,), jnp.int32).at[row_of_sorted].set(order // k, mode="drop")
+    return out_row, rows, block_end
+
+
+def _rows_by_counting(flat: jax.Array, E: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """Each pair's kernel row and the blocks' cumulative ends ([P], [E + 1]) by comparisons
+    instead of a sort and scatters, for decode rounds' few pairs: a pair's row is its expert's
+    first row plus the number of earlier pairs on that expert (the stable sort's order). On
+    the GPU the sort, scatters and gathers were a dozen launch-bound kernels a layer
+    (docs/lab/server-rows-and-first-tokens.md); these are a few reductions."""
+    P = flat.shape[0]
+    pairs = jnp.arange(P, dtype=jnp.int32)
+    same = (flat[:, None] == flat[None, :]) & (pairs[None, :] < pairs[:, None])
+    rank = jnp.sum(same, axis=1, dtype=jnp.int32)  # [P] earlier pairs on the same expert
+    experts = jnp.arange(E + 1, dtype=jnp.int32)
+    sizes = jnp.sum(flat[None, :] == experts[:, None], axis=1, dtype=jnp.int32)  # [E + 1]
+    n_exp_blocks = jnp.where(experts < E, (sizes + block_m - 1) // block_m, 0)
+    block_end = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], n_exp_blocks[None, :], 0), axis=1)
+    first_row = (block_end - n_exp_blocks) * block_m  # [E + 1]
+    return first_row[flat] + rank, block_end
+
+
+def on_kernel_rows(out_row: jax.Array, values: jax.Array, n_rows: int) -> jax.Array:
+    """[n_rows]: each pair's value ([P]) on its kernel row `out_row`, 0 on rows no pair holds
+    (and a pair past the last row drops out). A scatter, written as a comparison while the
+    pairs are few (`COUNTING_LAYOUT_MAX_PAIRS`), where it fuses into one small reduction."""
+    if out_row.shape[0] > COUNTING_LAYOUT_MAX_PAIRS:
+        return jnp.zeros((n_rows,), values.dtype).at[out_row].set(values, mode="drop")
+    kernel_rows = jnp.arange(n_rows, dtype=jnp.int32)
+    return jnp.sum(jnp.where(kernel_rows[:, None] == out_row[None, :], values[None, :], 0), axis=1, dtype=values.dtype)
 
 
 def _without_absent_refs(kernel, present: list[bool]):
@@ -366,11 +415,7 @@ def moe_ffn(
         row_w = top_w.reshape(-1).astype(jnp.float32)
     else:  # grouped
         blocks = grouped_blocks(top_e, E, bm, valid)
-        row_w = (
-            jnp.zeros((blocks.n_blocks * bm,), jnp.float32)
-            .at[blocks.out_row]
-            .set(top_w.reshape(-1).astype(jnp.float32), mode="drop")
-        )
+        row_w = on_kernel_rows(blocks.out_row, top_w.reshape(-1).astype(jnp.float32), blocks.n_blocks * bm)
     n_rows = blocks.n_blocks * blocks.rows_per_block
     gu_bk, gu_bn = _pow2_block(D, cfg["gu_block_k"]), _pow2_block(F, cfg["gu_block_n"])
     dn_bk, dn_bn = _pow2_block(F, cfg["dn_block_k"]), _pow2_block(D, cfg["dn_block_n"])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxllm.config import ModelConfig
+from jaxllm.model import moe_kernels
 from jaxllm.model.layers import moe_mlp
 from jaxllm.model.moe_kernels import (
     WIDE_BLOCK_M,
@@ -94,6 +95,29 @@ def test_grouped_blocks_place_every_pair_once_in_its_experts_block():
     np.testing.assert_array_equal(rows[out_row], np.arange(T * k) // k)  # and reads its token
     sizes = np.bincount(flat, minlength=E)
     assert used == (-(-sizes // bm)).sum()
+
+
+@pytest.mark.parametrize("T,E,k,bm,skew", [(16, 256, 8, 16, False), (37, 6, 3, 16, True), (9, 16, 2, 32, False)])
+def test_grouped_layout_by_counting_equals_the_sorted_one(monkeypatch, T, E, k, bm, skew):
+    """Decode rounds lay rows out by comparisons (no sort, no scatter); prompt rounds by a
+    stable sort. Both give the same rows, blocks and row weights, idle tokens included."""
+    rng = np.random.default_rng(T + E)
+    top_e, top_w = _routing(rng, T, E, k, skew)
+    valid = jnp.asarray(rng.random(T) < 0.7)
+    counted = grouped_blocks(top_e, E, bm, valid)
+    assert T * k <= moe_kernels.COUNTING_LAYOUT_MAX_PAIRS
+    monkeypatch.setattr(moe_kernels, "COUNTING_LAYOUT_MAX_PAIRS", 0)
+    sorted_ = grouped_blocks(top_e, E, bm, valid)
+    for name in ("rows", "block_expert", "used"):
+        np.testing.assert_array_equal(getattr(counted, name), getattr(sorted_, name), err_msg=name)
+    n_rows = counted.n_blocks * bm
+    live = np.repeat(np.asarray(valid), k)  # idle pairs: any row past the last
+    np.testing.assert_array_equal(np.asarray(counted.out_row)[live], np.asarray(sorted_.out_row)[live])
+    assert (np.asarray(counted.out_row)[~live] >= n_rows).all() and (np.asarray(sorted_.out_row)[~live] >= n_rows).all()
+    w = jnp.asarray(top_w).reshape(-1).astype(jnp.float32)
+    by_scatter = moe_kernels.on_kernel_rows(counted.out_row, w, n_rows)
+    monkeypatch.setattr(moe_kernels, "COUNTING_LAYOUT_MAX_PAIRS", 512)
+    np.testing.assert_array_equal(moe_kernels.on_kernel_rows(counted.out_row, w, n_rows), by_scatter)
 
 
 def test_layout_per_round_width():
