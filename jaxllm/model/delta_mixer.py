@@ -22,7 +22,7 @@ from jax import lax
 from jaxllm.config import ModelConfig
 from jaxllm.model.forward import TokenBatch
 from jaxllm.model.gated_delta import causal_conv, gated_delta_chunked, gated_delta_recurrent, gated_rms_norm
-from jaxllm.model.gated_delta_kernel import gated_delta_decode
+from jaxllm.model.gated_delta_kernel import gated_delta_decode_from_projections
 from jaxllm.model.layers import project
 from jaxllm.params import DeltaNetParams, delta_in_splits
 from jaxllm.state import RecurrentState
@@ -201,6 +201,16 @@ def _side_windows(qkv_rows: jax.Array, conv0: jax.Array, lengths: jax.Array) -> 
     return jax.vmap(lambda b, s: lax.dynamic_slice_in_dim(b, s, width, axis=0))(both, start)
 
 
+def _place(core: jax.Array, seg: Segments, out: jax.Array) -> jax.Array:
+    """`core` [T, Hv, Dv] with the segments' outputs [R, Tw, Hv, Dv] on their rows."""
+    T = core.shape[0]
+    if seg.leading:  # one token each, rows [0, R): dead windows' rows stay zero
+        rows_out = jnp.where(seg.valid[..., None, None], out, 0.0)[:, 0].astype(core.dtype)
+        return rows_out if rows_out.shape[0] == T else lax.dynamic_update_slice_in_dim(core, rows_out, 0, axis=0)
+    rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
+    return core.at[rows].set(out, mode="drop")
+
+
 def input_projections(
     h: jax.Array, p: DeltaNetParams, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -236,7 +246,8 @@ def delta_mixer(
       decode, chunks: from `round_segments`.
       pool: with `kernel` ("pallas" / "interpret"), every layer's delta matrices [Ll, S, Hv,
         Dk, Dv] as the layer scan carries them: decode rows are advanced in it in place by
-        `gated_delta_decode` (their state is read once and written once), and chunk
+        `gated_delta_decode_from_projections` (conv, gates and rule in one kernel; their
+        state is read once and written once), and chunk
         segments read their matrices from it. Without, both read `recurrent.delta`.
       chunk_kernel: "pallas" / "interpret" to carry prompt segments' state through their
         chunks in one Pallas kernel (`gated_delta_chunk_kernel`), None for XLA's scan.
@@ -266,23 +277,29 @@ def delta_mixer(
     core = jnp.zeros((T, cfg.linear_n_v_heads, cfg.linear_v_dim), jnp.float32)
     convs, deltas, side_rows = [], [], []
     for (seg, chunked), d0 in zip(segs, delta0):
-        inputs, conv = _rule_inputs(qkv, b, a, p, conv_all[seg.slots], seg, cfg, snapshots=snapshots)
-        if d0 is None:
-            out, pool = gated_delta_decode(
-                inputs.q[:, 0],
-                inputs.k[:, 0],
-                inputs.v[:, 0],
-                inputs.decay[:, 0],
-                inputs.beta[:, 0],
+        if d0 is None:  # decode rows (the batch's first W): conv, gates and rule in one kernel
+            W = seg.slots.shape[0]
+            out, pool, conv = gated_delta_decode_from_projections(
+                qkv[:W],
+                a[:W],
+                b[:W],
+                recurrent.conv,
+                p.conv,
+                p.a_log,
+                p.dt_bias,
                 pool,
                 seg.slots,
                 layer=layer_index,
+                n_k_heads=cfg.linear_n_k_heads,
                 live=seg.lengths > 0,
-                qk_l2norm=True,
                 interpret=kernel == "interpret",
             )
             out = out[:, None]
-        elif chunked and not snapshots:
+            core = _place(core, seg, out)
+            convs.append(conv)
+            continue
+        inputs, conv = _rule_inputs(qkv, b, a, p, conv_all[seg.slots], seg, cfg, snapshots=snapshots)
+        if chunked and not snapshots:
             assert seg.side is not None  # `round_segments` gives chunk segments theirs
             out, delta, side_delta = _advance_keeping_side(inputs, d0, seg.lengths, seg.side, chunk_kernel)
             deltas.append(delta)
@@ -291,12 +308,7 @@ def delta_mixer(
         else:
             out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots, kernel=chunk_kernel)
             deltas.append(delta)
-        if seg.leading:  # one token each, rows [0, R): dead windows' rows stay zero
-            rows_out = jnp.where(seg.valid[..., None, None], out, 0.0)[:, 0].astype(core.dtype)
-            core = rows_out if rows_out.shape[0] == T else lax.dynamic_update_slice_in_dim(core, rows_out, 0, axis=0)
-        else:
-            rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
-            core = core.at[rows].set(out, mode="drop")
+        core = _place(core, seg, out)
         convs.append(conv)
     for conv, delta in side_rows:  # after every segment's own rows (`hybrid._targets`)
         convs.append(conv)

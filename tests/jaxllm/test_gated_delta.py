@@ -411,3 +411,43 @@ def test_decode_kernel_stacked_layers_and_bfloat16():
     np.testing.assert_allclose(np.asarray(new_stack)[1][slots], ref_states, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(new_stack)[1][1], pool[1])
     np.testing.assert_array_equal(np.asarray(new_stack)[[0, 2]], stack[[0, 2]])
+
+
+@pytest.mark.parametrize("block_v", [None, 4])
+def test_decode_kernel_from_projections_matches_conv_gates_and_rule(block_v):
+    """The kernel that also runs the conv and the gates: two live windows and a dead one on a
+    stacked pool, two key heads serving four value heads. Outputs, advanced matrices and new
+    conv windows as `causal_conv` + the gates + `gated_delta_recurrent`; other rows untouched,
+    the dead window's output and window zeros."""
+    from jaxllm.model.gated_delta_kernel import gated_delta_decode_from_projections
+
+    rng = np.random.default_rng(21)
+    Hk, Hv, Dk, Dv, Kc, L, S, W = 2, 4, 8, 8, 4, 2, 5, 3
+    C = 2 * Hk * Dk + Hv * Dv
+    qkv = rng.normal(size=(W, C)).astype(np.float32)
+    a, b = rng.normal(size=(W, Hv)).astype(np.float32), rng.normal(size=(W, Hv)).astype(np.float32)
+    conv = rng.normal(size=(L, S, Kc - 1, C)).astype(np.float32)
+    conv_w = rng.normal(size=(C, Kc)).astype(np.float32) * 0.5
+    a_log, dt_bias = rng.normal(size=Hv).astype(np.float32), rng.normal(size=Hv).astype(np.float32)
+    pool = rng.normal(size=(L, S, Hv, Dk, Dv)).astype(np.float32)
+    slots, live, layer = np.asarray([3, 0, 1], np.int32), np.asarray([1, 1, 0]), 1
+
+    out, new_pool, windows = gated_delta_decode_from_projections(
+        qkv, a, b, conv, conv_w, a_log, dt_bias, pool, slots, layer=layer, n_k_heads=Hk, live=live,
+        interpret=True, _block_v=block_v,
+    )  # fmt: skip
+    keep = np.asarray([0, 1])
+    y, ref_windows = causal_conv(qkv[keep, None], conv[layer, slots[keep]], conv_w, np.ones(2, np.int32))
+    q, k, v = np.split(np.asarray(y)[:, 0], [Hk * Dk, 2 * Hk * Dk], axis=-1)
+    q = np.repeat(q.reshape(2, Hk, Dk), Hv // Hk, axis=1)
+    k = np.repeat(k.reshape(2, Hk, Dk), Hv // Hk, axis=1)
+    beta = 1 / (1 + np.exp(-b[keep]))
+    g = -np.exp(a_log) * np.logaddexp(a[keep] + dt_bias, 0)
+    ref_out, ref_states = _decode_reference(q, k, v.reshape(2, Hv, Dv), g, beta, pool[layer], slots[keep])
+    np.testing.assert_allclose(np.asarray(out)[keep], ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(new_pool)[layer][slots[keep]], ref_states, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(windows)[keep], ref_windows, rtol=1e-6, atol=1e-6)
+    assert not np.asarray(out)[2].any() and not np.asarray(windows)[2].any()
+    untouched = np.ones((L, S), bool)
+    untouched[layer, slots[keep]] = False
+    np.testing.assert_array_equal(np.asarray(new_pool)[untouched], pool[untouched])

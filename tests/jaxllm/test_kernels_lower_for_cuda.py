@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.model.gated_delta_kernel import gated_delta_decode
+from jaxllm.model.gated_delta_kernel import gated_delta_decode, gated_delta_decode_from_projections
 from jaxllm.model.moe_kernels import moe_ffn
 from jaxllm.model.route_kernel import route_and_count
 
@@ -46,6 +46,22 @@ def test_delta_decode_kernel_lowers():
         return gated_delta_decode(q, q, q, g, g, pool, slots, live=live)
 
     assert _triton_calls(fn, q, g, pool, jnp.arange(W, dtype=jnp.int32), jnp.ones((W,), jnp.int32)) == 1
+
+
+def test_delta_decode_from_projections_kernel_lowers():
+    W, Hk, H, Dk, Kc, L, S = 4, 2, 4, 16, 4, 2, 8
+    C = 2 * Hk * Dk + H * Dk
+    qkv, ab = jnp.zeros((W, C), jnp.bfloat16), jnp.zeros((W, H), jnp.bfloat16)
+    conv, conv_w, vec = jnp.zeros((L, S, Kc - 1, C)), jnp.zeros((C, Kc), jnp.bfloat16), jnp.zeros((H,))
+    pool = jnp.zeros((L, S, H, Dk, Dk))
+
+    def fn(qkv, ab, conv, conv_w, vec, pool, slots, live, layer):
+        return gated_delta_decode_from_projections(
+            qkv, ab, ab, conv, conv_w, vec, vec, pool, slots, layer=layer, n_k_heads=Hk, live=live
+        )
+
+    slots, live = jnp.arange(W, dtype=jnp.int32), jnp.ones((W,), jnp.int32)
+    assert _triton_calls(fn, qkv, ab, conv, conv_w, vec, pool, slots, live, jnp.int32(1)) == 1
 
 
 def test_route_kernel_lowers():
