@@ -177,7 +177,9 @@ def main() -> None:
     wall = time.perf_counter() - t
     jax.profiler.stop_trace()
     n_steps = args.calls * args.steps
-    print(f"{args.config} {args.dtype} batch {args.batch}: {wall / n_steps * 1e3:.3f} ms/step traced ({args.steps} steps per call)")
+    print(
+        f"{args.config} {args.dtype} batch {args.batch}: {wall / n_steps * 1e3:.3f} ms/step traced ({args.steps} steps per call)"
+    )
     trace = sorted(glob.glob(args.out + "/raw/**/*.trace.json.gz", recursive=True))[-1]
     shutil.copy(trace, args.out + "/trace.json.gz")
     summarize(trace, n_steps, args.top)
