@@ -6,6 +6,9 @@ states plus a scatter back (the jnp path, timed the same way, pool donated). One
 width: max abs and relative L2 error of out and state, median ms of each path (20 runs after
 warm-up), the bytes of state read and written and the achieved GB/s.
 
+`gated_delta_decode_from_projections` (the conv and the gates as the rule kernel's prologue) the
+same way against XLA's conv, gates, step and scatters, from bfloat16 projections.
+
 Then the chunked prefill (`check_prefill`): XLA's WY form by matmul precision, and the same
 form with its chunk-to-chunk state pass as one Pallas kernel (`chunk_state_pass`), end to end
 and alone over a sweep of its launch parameters, each with its errors against the form at
@@ -32,13 +35,14 @@ from jax import lax
 
 from jaxllm.model.gated_delta import (
     ChunkTerms,
+    causal_conv,
     chunk_terms,
     gated_delta_chunked,
     gated_delta_recurrent,
     unit_lower_solve,
 )
 from jaxllm.model.gated_delta_chunk_kernel import chunk_state_pass
-from jaxllm.model.gated_delta_kernel import gated_delta_decode
+from jaxllm.model.gated_delta_kernel import gated_delta_decode, gated_delta_decode_from_projections
 
 # Qwen3.5-35B-A3B's DeltaNet layers; `tokens`: the prompt lengths of the prefill rows.
 REAL = dict(H=32, Dk=128, Dv=128, layers=30, slots=64, widths=(1, 16, 64), tokens=(512, 2048))
@@ -122,6 +126,68 @@ def check_decode(shape: dict, dtype, runs: int, interpret: bool) -> None:
             f"out max {out_err[0]:.2e} rel {out_err[1]:.2e}  state max {state_err[0]:.2e} rel {state_err[1]:.2e}  "
             f"kernel {t_kernel * 1e3:.4f} ms  jnp {t_jnp * 1e3:.4f} ms  x{t_jnp / t_kernel:.2f}  "
             f"{moved / 1e6:.2f} MB  kernel {moved / t_kernel / 1e9:.3g} GB/s  jnp {moved / t_jnp / 1e9:.3g} GB/s",
+            flush=True,
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("n_k_heads",), donate_argnums=(7,))
+def jnp_decode_from_projections(qkv, a, b, conv, conv_w, a_log, dt_bias, pool, slots, layer, *, n_k_heads):
+    """The XLA path of a decode row from its projections (as `delta_mixer._rule_inputs` then
+    the recurrence): conv over the gathered windows, gates, one step, states scattered back."""
+    W, H, Dk, Dv = qkv.shape[0], pool.shape[2], pool.shape[3], pool.shape[4]
+    y, windows = causal_conv(qkv[:, None].astype(jnp.float32), conv[layer, slots], conv_w, jnp.ones((W,), jnp.int32))
+    q, k, v = jnp.split(y[:, 0], [n_k_heads * Dk, 2 * n_k_heads * Dk], axis=-1)
+    q = jnp.repeat(q.reshape(W, n_k_heads, Dk), H // n_k_heads, axis=1)
+    k = jnp.repeat(k.reshape(W, n_k_heads, Dk), H // n_k_heads, axis=1)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+    out, new = gated_delta_recurrent(
+        q[:, None], k[:, None], v.reshape(W, 1, H, Dv), g[:, None], beta[:, None], pool[layer, slots]
+    )
+    return out[:, 0], pool.at[layer, slots].set(new), windows
+
+
+def check_decode_from_projections(shape: dict, runs: int, interpret: bool) -> None:
+    """`gated_delta_decode_from_projections` (conv, gates and rule in one kernel) against the
+    XLA path, bfloat16 projections as the model feeds them; one line per width."""
+    H, Dk, Dv, n_layers, n_slots = shape["H"], shape["Dk"], shape["Dv"], shape["layers"], shape["slots"]
+    Hk, taps = H // 2, 4
+    C = 2 * Hk * Dk + H * Dv
+    keys = jax.random.split(jax.random.PRNGKey(7), 6)
+    pool = jax.random.normal(keys[0], (n_layers, n_slots, H, Dk, Dv), jnp.float32) * 0.1
+    conv = jax.random.normal(keys[1], (n_layers, n_slots, taps - 1, C), jnp.float32)
+    conv_w = (jax.random.normal(keys[2], (C, taps), jnp.float32) * 0.5).astype(jnp.bfloat16)
+    a_log, dt_bias = jax.random.normal(keys[3], (H,)), jax.random.normal(keys[4], (H,))
+    kernel = jax.jit(
+        functools.partial(gated_delta_decode_from_projections, n_k_heads=Hk, interpret=interpret), donate_argnums=(7,)
+    )
+    layer = jnp.int32(n_layers // 2)
+    for W in shape["widths"]:
+        kq, ka, kb = jax.random.split(jax.random.PRNGKey(200 + W), 3)
+        qkv = jax.random.normal(kq, (W, C), jnp.float32).astype(jnp.bfloat16)
+        a = jax.random.normal(ka, (W, H), jnp.float32).astype(jnp.bfloat16)
+        b = jax.random.normal(kb, (W, H), jnp.float32).astype(jnp.bfloat16)
+        slots = jax.random.permutation(jax.random.PRNGKey(W), n_slots)[:W].astype(jnp.int32)
+        args = (qkv, a, b, conv, conv_w, a_log, dt_bias)
+        ref_out, ref_pool, ref_win = jnp_decode_from_projections(*args, jnp.copy(pool), slots, layer, n_k_heads=Hk)
+        out, pool, win = kernel(*args, pool, slots, layer=layer)
+        errs = errors(out, ref_out), errors(pool[layer, slots], ref_pool[layer, slots]), errors(win, ref_win)
+
+        def run_kernel():  # each call advances the same slots again, in place
+            nonlocal pool
+            o, pool, _ = kernel(*args, pool, slots, layer=layer)
+            return o
+
+        def run_jnp():
+            nonlocal pool
+            o, pool, _ = jnp_decode_from_projections(*args, pool, slots, layer, n_k_heads=Hk)
+            return o
+
+        t_kernel, t_jnp = median_seconds(run_kernel, runs), median_seconds(run_jnp, runs)
+        print(
+            f"decode from projections W={W:3d} H={H} Hk={Hk} Dk={Dk} Dv={Dv}  out rel {errs[0][1]:.2e}  "
+            f"state rel {errs[1][1]:.2e}  window max {errs[2][0]:.2e}  kernel {t_kernel * 1e3:.4f} ms  "
+            f"jnp {t_jnp * 1e3:.4f} ms  x{t_jnp / t_kernel:.2f}",
             flush=True,
         )
 
@@ -234,6 +300,8 @@ def main() -> None:
         return
     for dtype in [] if args.prefill_only else args.dtypes.split(","):
         check_decode(shape, jnp.dtype(dtype), args.runs, args.interpret)
+    if not args.prefill_only:
+        check_decode_from_projections(shape, args.runs, args.interpret)
     check_prefill(shape, args.runs, args.interpret)
 
 
