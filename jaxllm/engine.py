@@ -403,7 +403,7 @@ class Engine:
             ctx = self._ctx_pages(max(s.position_bound for s in decoding) + n)
             for s in decoding:
                 s.dispatched += 1 if s.constraint is not None else n
-            width = self._decode_width(decoding)
+            width = self._decode_width(decoding, self.config.widths())
             # Slots that are not decoding draw nothing, so only the decoding ones decide.
             full = not plain_sampler_pays(self.options) or any(needs_full_sampler(s.params) for s in decoding)
             return self._decode_call(inputs, decoding, snapshot, n, ctx, width, full)
@@ -419,7 +419,10 @@ class Engine:
         for s in decoding:
             s.dispatched += 1
         chunk_len = int(chunk.tokens.shape[0]) if n_prompt else 1
-        ctx, width = self._ctx_pages(ctx_needed), self._decode_width(decoding, chunk=bool(n_prompt))
+        ctx, width = (
+            self._ctx_pages(ctx_needed),
+            self._decode_width(decoding, self.config.chunk_widths() if n_prompt else self.config.widths()),
+        )
         out = self._run_round(
             ("step", chunk_len, ctx, width),
             steps.step,
@@ -530,8 +533,7 @@ class Engine:
         ctx = self._ctx_pages(max(s.position_bound for s in decoding) + 1)
         full = not plain_sampler_pays(self.options) or any(needs_full_sampler(s.params) for s in decoding)
         d = steps.Drafts(tokens=tokens, count=count)
-        top = max((s.slot for s in decoding), default=-1) + 1
-        width = next(w for w in self.config.verify_widths() if w >= top)
+        width = self._decode_width(decoding, self.config.verify_widths())
         out = self._run_round(
             ("verify", K, ctx, width, full),
             steps.verify,
@@ -556,11 +558,12 @@ class Engine:
                 inputs.token_mask[s.slot] = s.constraint.allowed_bitmask()
                 inputs.constrained[s.slot] = True
 
-    def _decode_width(self, decoding: list[Sequence], *, chunk: bool = False) -> int:
-        """The smallest configured decode width covering every decoding slot (and, in a round
-        with a prompt chunk, at least `chunk_decode_width`)."""
+    @staticmethod
+    def _decode_width(decoding: list[Sequence], widths: tuple[int, ...]) -> int:
+        """The smallest of `widths` (the config's decode, chunk-round or verify widths) covering
+        every decoding slot."""
         top = max((s.slot for s in decoding), default=-1) + 1
-        return next(w for w in (self.config.chunk_widths() if chunk else self.config.widths()) if w >= top)
+        return next(w for w in widths if w >= top)
 
     def _ctx_pages(self, n_positions: int) -> int:
         pages = max(self.layout.pages_for(n_positions), self.config.min_ctx_pages)

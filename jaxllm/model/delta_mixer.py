@@ -43,14 +43,6 @@ class Segments:
     # [R] bool: also keep its state after all but its last token (for the side row); None
     # for decode rows
     side: jax.Array | None = None
-    # The rows are the batch's first R, one token each (decode windows: `TokenBatch.decode`'s
-    # window i is row i): read and written as slices, not as a gather and a scatter, which on
-    # the GPU are kernels of their own in every layer of a decode step.
-    leading: bool = struct.field(pytree_node=False, default=False)
-
-    def take(self, a: jax.Array) -> jax.Array:
-        """The segments' rows of a [T, ...] array of the round: [R, Tw, ...]."""
-        return a[: self.rows.shape[0], None] if self.leading else a[self.rows]
 
 
 def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segments, Segments | None]:
@@ -62,7 +54,6 @@ def round_segments(batch: TokenBatch, trash: int, chunk_len: int) -> tuple[Segme
         rows=d.start[:, None],
         valid=(d.length > 0)[:, None],
         lengths=d.length,
-        leading=True,
     )
     c = batch.chunks
     if not c.slot.shape[0]:
@@ -108,7 +99,7 @@ def _rule_inputs(
     Hk, Hv, Dk = cfg.linear_n_k_heads, cfg.linear_n_v_heads, cfg.linear_k_dim
     # Padding positions read other rows of the batch (idle ones among them); zeroed, whatever
     # those hold (a non-finite value times a zero beta would still be nan in the WY form).
-    x = jnp.where(seg.valid[..., None], seg.take(qkv).astype(jnp.float32), 0.0)  # [R, Tw, C]
+    x = jnp.where(seg.valid[..., None], qkv[seg.rows].astype(jnp.float32), 0.0)  # [R, Tw, C]
     y, conv = causal_conv(x, conv0, p.conv.astype(jnp.float32), seg.lengths)
     if snapshots:  # the window after j + 1 tokens: the last Kc - 1 inputs of (window ++ x[:j + 1])
         both = jnp.concatenate([conv0.astype(jnp.float32), x], axis=1)
@@ -120,9 +111,9 @@ def _rule_inputs(
     q = jnp.repeat(q.reshape(R, Tw, Hk, Dk), Hv // Hk, axis=2)
     k = jnp.repeat(k.reshape(R, Tw, Hk, Dk), Hv // Hk, axis=2)
     v = v.reshape(R, Tw, Hv, cfg.linear_v_dim)
-    beta = jax.nn.sigmoid(seg.take(b).astype(jnp.float32))
+    beta = jax.nn.sigmoid(b[seg.rows].astype(jnp.float32))
     decay = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(
-        seg.take(a).astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
+        a[seg.rows].astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
     )
     # Padding positions must leave the delta-rule matrix as it is.
     beta = jnp.where(seg.valid[..., None], beta, 0.0)
@@ -201,16 +192,6 @@ def _side_windows(qkv_rows: jax.Array, conv0: jax.Array, lengths: jax.Array) -> 
     return jax.vmap(lambda b, s: lax.dynamic_slice_in_dim(b, s, width, axis=0))(both, start)
 
 
-def _place(core: jax.Array, seg: Segments, out: jax.Array) -> jax.Array:
-    """`core` [T, Hv, Dv] with the segments' outputs [R, Tw, Hv, Dv] on their rows."""
-    T = core.shape[0]
-    if seg.leading:  # one token each, rows [0, R): dead windows' rows stay zero
-        rows_out = jnp.where(seg.valid[..., None, None], out, 0.0)[:, 0].astype(core.dtype)
-        return rows_out if rows_out.shape[0] == T else lax.dynamic_update_slice_in_dim(core, rows_out, 0, axis=0)
-    rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
-    return core.at[rows].set(out, mode="drop")
-
-
 def input_projections(
     h: jax.Array, p: DeltaNetParams, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -277,8 +258,8 @@ def delta_mixer(
     core = jnp.zeros((T, cfg.linear_n_v_heads, cfg.linear_v_dim), jnp.float32)
     convs, deltas, side_rows = [], [], []
     for (seg, chunked), d0 in zip(segs, delta0):
-        if d0 is None:  # decode rows (the batch's first W): conv, gates and rule in one kernel
-            W = seg.slots.shape[0]
+        if d0 is None:  # decode rows: conv, gates and rule in one kernel
+            W = seg.slots.shape[0]  # decode window i is the batch's row i (`TokenBatch.decode`)
             out, pool, conv = gated_delta_decode_from_projections(
                 qkv[:W],
                 a[:W],
@@ -295,20 +276,18 @@ def delta_mixer(
                 interpret=kernel == "interpret",
             )
             out = out[:, None]
-            core = _place(core, seg, out)
-            convs.append(conv)
-            continue
-        inputs, conv = _rule_inputs(qkv, b, a, p, conv_all[seg.slots], seg, cfg, snapshots=snapshots)
-        if chunked and not snapshots:
-            assert seg.side is not None  # `round_segments` gives chunk segments theirs
-            out, delta, side_delta = _advance_keeping_side(inputs, d0, seg.lengths, seg.side, chunk_kernel)
-            deltas.append(delta)
-            x_rows = seg.take(qkv).astype(jnp.float32)
-            side_rows.append((_side_windows(x_rows, conv_all[seg.slots], seg.lengths), side_delta))
         else:
-            out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots, kernel=chunk_kernel)
+            inputs, conv = _rule_inputs(qkv, b, a, p, conv_all[seg.slots], seg, cfg, snapshots=snapshots)
+            if chunked and not snapshots:
+                assert seg.side is not None  # `round_segments` gives chunk segments theirs
+                out, delta, side_delta = _advance_keeping_side(inputs, d0, seg.lengths, seg.side, chunk_kernel)
+                x_rows = qkv[seg.rows].astype(jnp.float32)
+                side_rows.append((_side_windows(x_rows, conv_all[seg.slots], seg.lengths), side_delta))
+            else:
+                out, delta = _advance(inputs, d0, chunked=chunked, snapshots=snapshots, kernel=chunk_kernel)
             deltas.append(delta)
-        core = _place(core, seg, out)
+        rows = jnp.where(seg.valid, seg.rows, T)  # padding rows drop out of the scatter
+        core = core.at[rows].set(out, mode="drop")
         convs.append(conv)
     for conv, delta in side_rows:  # after every segment's own rows (`hybrid._targets`)
         convs.append(conv)

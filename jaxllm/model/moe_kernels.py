@@ -144,12 +144,9 @@ def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int, valid: jax.Ar
     if valid is not None:  # idle pairs go to a virtual expert E that gets no blocks
         flat = jnp.where(jnp.repeat(valid, k), flat, E)
     n_blocks = -(-(P + min(E, P) * (block_m - 1)) // block_m)
-    if P <= COUNTING_LAYOUT_MAX_PAIRS:
-        row_of_pair, block_end = _rows_by_counting(flat, E, block_m)
-        out_row = jnp.where(flat < E, row_of_pair, n_blocks * block_m)
-        rows = on_kernel_rows(out_row, jnp.arange(P, dtype=jnp.int32) // k, n_blocks * block_m)
-    else:
-        out_row, rows, block_end = _rows_by_sorting(flat, E, block_m, n_blocks, k)
+    layout = _rows_by_counting if P <= COUNTING_LAYOUT_MAX_PAIRS else _rows_by_sorting
+    out_row, block_end = layout(flat, E, block_m, n_blocks)
+    rows = on_kernel_rows(out_row, jnp.arange(P, dtype=jnp.int32) // k, n_blocks * block_m)
     block_end = block_end[:E]
     # "compare_all": one fusion. The default bisection is a while loop, and each trip of a
     # while loop on the GPU waits for its predicate on the host (docs/lab/moe-h200.md).
@@ -168,32 +165,29 @@ def grouped_blocks(top_e: jax.Array, n_experts: int, block_m: int, valid: jax.Ar
     )
 
 
-def _rows_by_sorting(
-    flat: jax.Array, E: int, block_m: int, n_blocks: int, k: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`grouped_blocks`' rows by a stable sort of the pairs by expert (prompt rounds):
-    (out_row [P], rows [n_blocks * block_m], block_end [E + 1])."""
+def _rows_by_sorting(flat: jax.Array, E: int, block_m: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
+    """`grouped_blocks`' kernel row of each pair and the blocks' cumulative ends ([P],
+    [E + 1]) by a stable sort of the pairs by expert (prompt rounds); idle pairs (expert E)
+    land past every kernel row."""
     P = flat.shape[0]
     sizes = jnp.zeros((E + 1,), jnp.int32).at[flat].add(1)
     n_exp_blocks = ((sizes + block_m - 1) // block_m).at[E].set(0)
     block_end = jnp.cumsum(n_exp_blocks)
     first_row = (block_end - n_exp_blocks) * block_m  # [E + 1] each expert's first kernel row
-    first_row = first_row.at[E].set(n_blocks * block_m)  # idle pairs: past every kernel row
+    first_row = first_row.at[E].set(n_blocks * block_m)
     order = jnp.argsort(flat, stable=True)  # sorted position -> pair
     sorted_e = flat[order]
     group_start = jnp.cumsum(sizes) - sizes
     row_of_sorted = first_row[sorted_e] + jnp.arange(P, dtype=jnp.int32) - group_start[sorted_e]
-    out_row = jnp.zeros((P,), jnp.int32).at[order].set(row_of_sorted)
-    rows = jnp.zeros((n_blocks * block_m,), jnp.int32).at[row_of_sorted].set(order // k, mode="drop")
-    return out_row, rows, block_end
+    return jnp.zeros((P,), jnp.int32).at[order].set(row_of_sorted), block_end
 
 
-def _rows_by_counting(flat: jax.Array, E: int, block_m: int) -> tuple[jax.Array, jax.Array]:
-    """Each pair's kernel row and the blocks' cumulative ends ([P], [E + 1]) by comparisons
-    instead of a sort and scatters, for decode rounds' few pairs: a pair's row is its expert's
-    first row plus the number of earlier pairs on that expert (the stable sort's order). On
-    the GPU the sort, scatters and gathers were a dozen launch-bound kernels a layer
-    (docs/lab/server-rows-and-first-tokens.md); these are a few reductions."""
+def _rows_by_counting(flat: jax.Array, E: int, block_m: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
+    """The same as `_rows_by_sorting` by comparisons instead of a sort and scatters, for
+    decode rounds' few pairs: a pair's row is its expert's first row plus the number of
+    earlier pairs on that expert (the stable sort's order). On the GPU the sort, scatters and
+    gathers were a dozen launch-bound kernels a layer (docs/lab/server-rows-and-first-tokens.md);
+    these are a few reductions."""
     P = flat.shape[0]
     pairs = jnp.arange(P, dtype=jnp.int32)
     same = (flat[:, None] == flat[None, :]) & (pairs[None, :] < pairs[:, None])
@@ -203,7 +197,7 @@ def _rows_by_counting(flat: jax.Array, E: int, block_m: int) -> tuple[jax.Array,
     n_exp_blocks = jnp.where(experts < E, (sizes + block_m - 1) // block_m, 0)
     block_end = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], n_exp_blocks[None, :], 0), axis=1)
     first_row = (block_end - n_exp_blocks) * block_m  # [E + 1]
-    return first_row[flat] + rank, block_end
+    return jnp.where(flat < E, first_row[flat] + rank, n_blocks * block_m), block_end
 
 
 def on_kernel_rows(out_row: jax.Array, values: jax.Array, n_rows: int) -> jax.Array:
